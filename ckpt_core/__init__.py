@@ -1,0 +1,1 @@
+"""ckpt-core: move model weights from RL training workers to inference workers."""

@@ -1,0 +1,1 @@
+"""Conformance kit for CheckpointEngine transports (see docs/writing-a-transport.md)."""
