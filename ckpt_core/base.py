@@ -1,0 +1,366 @@
+"""The refit contract: ``TensorMeta``, ``CheckpointEngine`` and the chunking algorithms.
+
+Names, fields, keyword-only arguments and sync/async kinds follow NeMo RL's
+``nemo_rl.utils.checkpoint_engines.base`` exactly, so an engine written for one runs on the other.
+
+Chunk layout
+------------
+``split_weight_chunks`` cuts a stream of weights into byte chunks and lays them out in a
+sequence of buckets of ``bucket_size`` bytes each, the unit a transport moves at once:
+
+* ``TensorMeta.offset`` is the chunk's byte offset inside its bucket. Offsets are aligned to the
+  tensor's element size, so a receiver can view a whole-tensor chunk as its dtype in place.
+  A chunk whose ``offset`` is below the end of the previous chunk opens a new bucket (its
+  ``offset`` is then 0); every other chunk follows the previous one in the same bucket.
+* ``TensorMeta.chunk_offset`` / ``chunk_size`` locate the chunk's bytes inside the tensor's
+  own bytes (C order). A tensor that does not fit in the space left in a bucket continues in
+  the next bucket; chunk boundaries fall on element boundaries whenever an element fits in a
+  bucket.
+* A zero-element tensor yields exactly one chunk of size 0.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import AsyncGenerator, Generator
+from typing import Any
+
+import torch
+
+from .dtypes import check_transferable, dtype_from_name, dtype_name
+from .errors import ChunkStreamError, UnsupportedTensorError, WireFormatError
+
+__all__ = [
+    "CheckpointEngine",
+    "TensorMeta",
+    "create_checkpoint_engine",
+    "merge_weight_chunk_batches",
+    "split_weight_chunks",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMeta:
+    """Where one chunk of one named tensor sits, in the tensor and in its bucket.
+
+    ``nbytes`` is the size of the whole tensor (``numel * itemsize``), not of the chunk.
+    """
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    chunk_offset: int
+    chunk_size: int
+    offset: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-compatible data: dtype as its name, shape as a list of ints."""
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": dtype_name(self.dtype),
+            "chunk_offset": self.chunk_offset,
+            "chunk_size": self.chunk_size,
+            "offset": self.offset,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> TensorMeta:
+        """Inverse of :meth:`to_dict`. Validates every field; raises ``WireFormatError``.
+
+        Data from a peer is untrusted: types, signs and the chunk's bounds inside the tensor
+        are checked before anything is built from it.
+        """
+        if not isinstance(data, dict):
+            raise WireFormatError(f"tensor metadata must be a mapping, got {type(data).__name__}")
+        expected = {"name", "shape", "dtype", "chunk_offset", "chunk_size", "offset"}
+        if set(data) != expected:
+            raise WireFormatError(
+                f"tensor metadata keys {sorted(data)} differ from the expected {sorted(expected)}"
+            )
+        name = data["name"]
+        if not isinstance(name, str):
+            raise WireFormatError(f"tensor name must be a string, got {type(name).__name__}")
+        shape = data["shape"]
+        if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
+            raise WireFormatError(f"tensor {name!r}: shape must be a list of ints >= 0, got {shape!r}")
+        meta = cls(
+            name=name,
+            shape=torch.Size(shape),
+            dtype=dtype_from_name(data["dtype"]),
+            chunk_offset=_require_uint(name, "chunk_offset", data["chunk_offset"]),
+            chunk_size=_require_uint(name, "chunk_size", data["chunk_size"]),
+            offset=None if data["offset"] is None else _require_uint(name, "offset", data["offset"]),
+        )
+        if meta.chunk_offset + meta.chunk_size > meta.nbytes:
+            raise WireFormatError(
+                f"tensor {name!r}: chunk [{meta.chunk_offset}, {meta.chunk_offset + meta.chunk_size})"
+                f" lies outside the tensor's {meta.nbytes} bytes"
+            )
+        return meta
+
+
+def _is_uint(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _require_uint(name: str, field: str, value: Any) -> int:
+    if not _is_uint(value):
+        raise WireFormatError(f"tensor {name!r}: {field} must be an int >= 0, got {value!r}")
+    return int(value)
+
+
+class CheckpointEngine(abc.ABC):
+    """A transport that moves weights from policy (training) to rollout (generation) workers.
+
+    Lifecycle, driven by the caller's orchestrator on every worker:
+
+    1. ``prepare()`` on every worker; the orchestrator gathers the returned metadata into one
+       list, policy workers' entries first (by rank), then rollout workers' entries.
+    2. ``init_policy_process_group`` on policy workers and ``init_rollout_process_group`` on
+       rollout workers, each given that whole list.
+    3. Any number of refits: ``send_weights`` on every policy worker, concurrently with
+       iterating ``receive_weight_batches`` on every rollout worker.
+    4. ``finalize()`` releases what 1 and 2 acquired; 1 may then start again.
+
+    Engines are constructed with ``bucket_size`` (bytes) and their own keyword options.
+    """
+
+    shard_expert_weights: bool = False
+
+    def get_target_weight_layout(self) -> dict[str, Any] | None:
+        """Return the destination-local layout for this policy rank, if any."""
+        return None
+
+    @abc.abstractmethod
+    def prepare(self) -> Any:
+        """Allocate or register backend resources and return serializable metadata."""
+
+    @abc.abstractmethod
+    def init_policy_process_group(
+        self,
+        *,
+        worker_rank: int,
+        train_world_size: int,
+        rollout_world_size: int,
+        metadata: list[Any],
+    ) -> None:
+        """Connect a policy worker to its transfer peer."""
+
+    @abc.abstractmethod
+    def init_rollout_process_group(
+        self,
+        *,
+        rollout_rank: int,
+        train_world_size: int,
+        rollout_world_size: int,
+        metadata: list[Any],
+    ) -> None:
+        """Connect a rollout worker to its transfer peer."""
+
+    def finalize(self) -> None:
+        """Release per-refit backend state."""
+
+    @abc.abstractmethod
+    async def send_weights(
+        self,
+        weights: Generator[tuple[str, torch.Tensor], None, None],
+    ) -> None:
+        """Send (name, tensor) weights from the policy side."""
+
+    @abc.abstractmethod
+    def receive_weight_batches(
+        self,
+    ) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
+        """Yield (name, tensor) batches on the generation side."""
+
+
+def create_checkpoint_engine(
+    backend: str,
+    *,
+    bucket_size_bytes: int,
+    engine_kwargs: dict[str, Any],
+) -> CheckpointEngine:
+    """Build the engine registered as ``backend`` (or given as ``"module:ClassName"``).
+
+    ``engine_kwargs`` are checked against the engine constructor's named parameters before it
+    is called; the engine receives ``bucket_size_bytes`` as ``bucket_size``. See
+    :mod:`ckpt_core.registry` for resolution and its errors.
+    """
+    from .registry import build_engine
+
+    return build_engine(backend, bucket_size_bytes=bucket_size_bytes, engine_kwargs=engine_kwargs)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` view of a tensor's bytes in C order (copying only if non-contiguous)."""
+    tensor = tensor.detach()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def split_weight_chunks(
+    weights: Generator[tuple[str, torch.Tensor], None, None],
+    bucket_size: int,
+) -> Generator[tuple[TensorMeta, torch.Tensor], None, None]:
+    """Cut ``weights`` into byte chunks laid out in buckets of ``bucket_size`` bytes.
+
+    Yields ``(meta, chunk)`` where ``chunk`` is a 1-D ``uint8`` view of the tensor's bytes (no
+    copy for a contiguous tensor) and ``meta`` places it, as described in the module docstring.
+    Every tensor is yielded whole, in order: zero-element and 0-d tensors, non-contiguous
+    tensors and every non-quantized dtype included.
+
+    Raises ``ValueError`` if ``bucket_size < 1`` and ``UnsupportedTensorError`` for an item that
+    is not a byte-movable tensor, or whose name is not a string.
+    """
+    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
+        raise ValueError(f"bucket_size must be an int >= 1 (bytes), got {bucket_size!r}")
+    return _split(weights, bucket_size)
+
+
+def _split(
+    weights: Generator[tuple[str, torch.Tensor], None, None], bucket_size: int
+) -> Generator[tuple[TensorMeta, torch.Tensor], None, None]:
+    used = 0  # end of the last chunk placed in the current bucket
+    for item in weights:
+        name, tensor = _unpack_item(item)
+        data = tensor_bytes(tensor)
+        total = data.numel()
+        # Element alignment, unless a bucket cannot hold even one element.
+        align = tensor.dtype.itemsize if tensor.dtype.itemsize <= bucket_size else 1
+        done = 0
+        while True:
+            offset, take = _place(used, total - done, align, bucket_size)
+            yield TensorMeta(name, tensor.shape, tensor.dtype, done, take, offset), data[
+                done : done + take
+            ]
+            used = offset + take
+            done += take
+            if done == total:
+                break
+
+
+def _place(used: int, remaining: int, align: int, bucket_size: int) -> tuple[int, int]:
+    """Bucket offset and length of the next chunk, given ``used`` bytes of the open bucket."""
+    offset = -(-used // align) * align
+    room = bucket_size - offset
+    if remaining == 0 and room >= 0:
+        return offset, 0
+    if room >= align:
+        return offset, min(remaining, room - room % align)
+    return 0, min(remaining, bucket_size - bucket_size % align)  # open a new bucket
+
+
+def _unpack_item(item: Any) -> tuple[str, torch.Tensor]:
+    if not isinstance(item, tuple) or len(item) != 2:
+        raise UnsupportedTensorError(
+            f"weights must yield (name, tensor) pairs, got {type(item).__name__}"
+        )
+    name, tensor = item
+    if not isinstance(name, str):
+        raise UnsupportedTensorError(
+            f"weight names must be strings, got {type(name).__name__} {name!r}"
+        )
+    return name, check_transferable(name, tensor)
+
+
+async def merge_weight_chunk_batches(
+    chunk_batches: AsyncGenerator[list[tuple[TensorMeta, torch.Tensor]], None],
+    *,
+    merge_device: torch.device | str | None = None,
+) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
+    """Reassemble chunk batches into whole ``(name, tensor)`` batches.
+
+    Each input batch produces one output batch holding the tensors whose last chunk it carried,
+    in stream order; an input batch that completes no tensor produces nothing. Output tensors
+    own their memory (they never alias the input chunks, so a producer may reuse its buffers
+    once the next batch is requested) and live on ``merge_device``, or on the chunks' device
+    when it is ``None``.
+
+    Never yields a partly filled tensor: a chunk that disagrees with the tensor being
+    assembled (name, shape or dtype), a gap, an overlap, chunks out of order, a chunk whose
+    length differs from its ``chunk_size``, or a stream that ends mid-tensor raise
+    ``ChunkStreamError`` naming the tensor and the byte offsets.
+    """
+    device = torch.device(merge_device) if merge_device is not None else None
+    pending: _PartialTensor | None = None
+    async for batch in chunk_batches:
+        done: list[tuple[str, torch.Tensor]] = []
+        for meta, chunk in batch:
+            if pending is None:
+                pending = _PartialTensor.start(meta, chunk, device)
+            pending.add(meta, chunk)
+            if pending.complete:
+                done.append((meta.name, pending.tensor))
+                pending = None
+        if done:
+            yield done
+    if pending is not None:
+        raise ChunkStreamError(
+            f"chunk stream ended in the middle of tensor {pending.meta.name!r}: received bytes "
+            f"[0, {pending.filled}) of {pending.meta.nbytes}"
+        )
+
+
+class _PartialTensor:
+    """A tensor being assembled from consecutive chunks."""
+
+    def __init__(self, meta: TensorMeta, tensor: torch.Tensor) -> None:
+        self.meta = meta
+        self.tensor = tensor
+        self.filled = 0
+        self._bytes = tensor.reshape(-1).view(torch.uint8)
+
+    @classmethod
+    def start(
+        cls, meta: TensorMeta, chunk: torch.Tensor, device: torch.device | None
+    ) -> _PartialTensor:
+        if meta.chunk_offset != 0:
+            raise ChunkStreamError(
+                f"tensor {meta.name!r} starts at byte {meta.chunk_offset} instead of 0: "
+                f"bytes [0, {meta.chunk_offset}) are missing or arrived out of order"
+            )
+        target = device if device is not None else chunk.device
+        return cls(meta, torch.empty(meta.shape, dtype=meta.dtype, device=target))
+
+    @property
+    def complete(self) -> bool:
+        return self.filled == self.meta.nbytes
+
+    def add(self, meta: TensorMeta, chunk: torch.Tensor) -> None:
+        first = self.meta
+        if (meta.name, meta.shape, meta.dtype) != (first.name, first.shape, first.dtype):
+            raise ChunkStreamError(
+                f"tensor {first.name!r} ({list(first.shape)}, {dtype_name(first.dtype)}) is "
+                f"incomplete at byte {self.filled} of {first.nbytes}, but the next chunk is "
+                f"for {meta.name!r} ({list(meta.shape)}, {dtype_name(meta.dtype)}) at byte "
+                f"{meta.chunk_offset}"
+            )
+        if meta.chunk_offset != self.filled:
+            kind = "gap" if meta.chunk_offset > self.filled else "overlap"
+            raise ChunkStreamError(
+                f"tensor {first.name!r}: {kind} in chunk stream, expected a chunk at byte "
+                f"{self.filled}, got one at byte {meta.chunk_offset} "
+                f"(size {meta.chunk_size}, tensor size {first.nbytes})"
+            )
+        end = meta.chunk_offset + meta.chunk_size
+        if end > first.nbytes:
+            raise ChunkStreamError(
+                f"tensor {first.name!r}: chunk [{meta.chunk_offset}, {end}) runs past the "
+                f"tensor's {first.nbytes} bytes"
+            )
+        if chunk.dtype != torch.uint8 or chunk.dim() != 1 or chunk.numel() != meta.chunk_size:
+            raise ChunkStreamError(
+                f"tensor {first.name!r}: chunk at byte {meta.chunk_offset} must be a 1-D uint8 "
+                f"tensor of {meta.chunk_size} bytes, got {chunk.dtype} of shape "
+                f"{list(chunk.shape)}"
+            )
+        if meta.chunk_size:
+            self._bytes[meta.chunk_offset : end].copy_(chunk)
+        self.filled = end

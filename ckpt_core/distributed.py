@@ -1,0 +1,288 @@
+"""Transports over dedicated ``torch.distributed`` process groups (Gloo, NCCL).
+
+Peers meet through a ``TCPStore`` served by policy rank 0 (every worker opens one in
+``prepare()`` so it can advertise a port; only policy rank 0's survives ``init``). Groups are
+built directly on that store, under a per-``prepare`` prefix, and are never registered with
+``torch.distributed``: the caller's default process group is never created, required or
+changed, and ``torch.distributed.is_initialized()`` stays as it was.
+
+Topologies:
+
+* ``broadcast``: one group of policy rank 0 and every rollout rank; each bucket is broadcast
+  from policy rank 0. Other policy ranks drain their weights.
+* ``paired``: one two-member group per pair (policy rank ``i``, rollout rank ``i``). Needs at
+  least as many policy as rollout ranks; policy ranks without a partner drain their weights.
+
+Per bucket: the header's length (one int64), the header bytes, then the payload, each a
+send/recv (paired) or a broadcast (broadcast). Headers travel on the control group (always
+Gloo, on the host); payloads on the data group (Gloo for host buffers, NCCL for device ones).
+"""
+
+from __future__ import annotations
+
+import abc
+import datetime
+import socket
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from .engine import BucketedEngine, check_choice
+from .errors import EngineOptionError, PeerLostError, TransferTimeoutError, WireFormatError
+from .transport import BucketReceiver, BucketSender
+from .wire import MAX_HEADER_BYTES
+
+TOPOLOGIES = ("broadcast", "paired")
+_LENGTH_TAG, _HEADER_TAG, _PAYLOAD_TAG = 1, 2, 3
+
+
+def _timedelta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+class _Link:
+    """One sender (rank 0 of its groups) and its receivers (ranks 1..n): ordered messages."""
+
+    def __init__(self, control: Any, data: Any, *, rank: int, size: int, broadcast: bool, peer: str) -> None:
+        self.control, self.data = control, data
+        self.rank, self.size = rank, size
+        self.broadcast = broadcast
+        self.peer = peer  # who is on the other side, for error messages
+
+    def post(self, group: Any, tensor: torch.Tensor, tag: int) -> Any:
+        if self.broadcast:
+            return group.broadcast(tensor, 0)
+        if self.rank == 0:
+            return group.send([tensor], 1, tag)
+        return group.recv([tensor], 0, tag)
+
+    def wait(self, work: Any, timeout_s: float, phase: str) -> None:
+        try:
+            work.wait(_timedelta(timeout_s))
+        except RuntimeError as exc:
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if "timed out" in text.lower() or "timeout" in text.lower():
+                raise TransferTimeoutError(
+                    f"{phase} with {self.peer}: no progress within timeout_s={timeout_s:g}s ({text})"
+                ) from exc
+            raise PeerLostError(f"{phase} with {self.peer} failed, the peer is gone: {text}") from exc
+
+
+class DistributedSender(BucketSender):
+    def __init__(self, link: _Link, bucket_size: int, device: torch.device) -> None:
+        self.link = link
+        self._buffers = [torch.empty(bucket_size, dtype=torch.uint8, device=device) for _ in range(self.num_slots)]
+        self._in_flight: list[list[tuple[Any, Any]]] = [[] for _ in range(self.num_slots)]
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        return self._buffers[slot]
+
+    def post(self, slot: int, header: bytes, nbytes: int, timeout_s: float) -> None:
+        length = torch.tensor([len(header)], dtype=torch.int64)
+        encoded = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        link = self.link
+        works = [
+            (link.post(link.control, length, _LENGTH_TAG), length),
+            (link.post(link.control, encoded, _HEADER_TAG), encoded),
+        ]
+        if nbytes:
+            works.append((link.post(link.data, self._buffers[slot][:nbytes], _PAYLOAD_TAG), None))
+        self._in_flight[slot] = works
+
+    def wait_slot(self, slot: int, timeout_s: float) -> None:
+        works, self._in_flight[slot] = self._in_flight[slot], []
+        for work, _keepalive in works:
+            self.link.wait(work, timeout_s, "sending a bucket")
+
+    def close(self) -> None:
+        self._in_flight = [[] for _ in range(self.num_slots)]
+        self._buffers = []
+
+
+class DistributedReceiver(BucketReceiver):
+    def __init__(self, link: _Link, bucket_size: int, device: torch.device) -> None:
+        self.link = link
+        self._buffers = [torch.empty(bucket_size, dtype=torch.uint8, device=device) for _ in range(self.num_slots)]
+        self._in_flight: list[Any] = [None] * self.num_slots
+        self._length = torch.empty(1, dtype=torch.int64)
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        return self._buffers[slot]
+
+    def recv_header(self, timeout_s: float) -> bytes:
+        link = self.link
+        link.wait(link.post(link.control, self._length, _LENGTH_TAG), timeout_s, "receiving a bucket header")
+        length = int(self._length[0])
+        if not 0 < length <= MAX_HEADER_BYTES:
+            raise WireFormatError(f"bucket header length {length} is outside (0, {MAX_HEADER_BYTES}]")
+        encoded = torch.empty(length, dtype=torch.uint8)
+        link.wait(link.post(link.control, encoded, _HEADER_TAG), timeout_s, "receiving a bucket header")
+        return encoded.numpy().tobytes()
+
+    def post_payload(self, slot: int, nbytes: int, timeout_s: float) -> None:
+        if nbytes:
+            self._in_flight[slot] = self.link.post(self.link.data, self._buffers[slot][:nbytes], _PAYLOAD_TAG)
+
+    def wait_payload(self, slot: int, timeout_s: float) -> None:
+        work, self._in_flight[slot] = self._in_flight[slot], None
+        if work is not None:
+            self.link.wait(work, timeout_s, "receiving a bucket payload")
+
+    def close(self) -> None:
+        self._in_flight = [None] * self.num_slots
+        self._buffers = []
+
+
+class DistributedEngine(BucketedEngine):
+    """A ``BucketedEngine`` over dedicated torch.distributed groups; subclasses pick the groups.
+
+    Options (besides ``bucket_size``, ``timeout_s``, ``checksum``): ``topology``
+    (``"broadcast"`` or ``"paired"``), ``host`` (the address this worker binds and advertises;
+    default ``127.0.0.1``, set it to the node's address for multi-node runs).
+    """
+
+    device_type: ClassVar[str] = "cpu"
+
+    def __init__(
+        self,
+        *,
+        bucket_size: int,
+        topology: str = "broadcast",
+        host: str = "127.0.0.1",
+        timeout_s: float = 300.0,
+        checksum: bool = True,
+    ) -> None:
+        super().__init__(bucket_size=bucket_size, timeout_s=timeout_s, checksum=checksum)
+        owner = type(self).__name__
+        self.topology = check_choice(owner, "topology", topology, TOPOLOGIES)
+        if not isinstance(host, str) or not host:
+            raise EngineOptionError(f"{owner}: host must be a non-empty address string, got {host!r}")
+        self.host = host
+        self._store: Any = None
+        self._groups: list[Any] = []
+
+    # --- what a subclass provides ------------------------------------------------------
+
+    @abc.abstractmethod
+    def _new_data_group(self, store: Any, rank: int, size: int) -> Any:
+        """A group for payloads on ``store`` (already prefixed), of which this worker is ``rank``."""
+
+    def _new_control_group(self, store: Any, rank: int, size: int) -> Any:
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
+        options._timeout = _timedelta(self.timeout_s)
+        return dist.ProcessGroupGloo(store, rank, size, options)
+
+    def _shares_control_group(self) -> bool:
+        """Whether payloads may ride the control group (true when both live on the host)."""
+        return self.device_type == "cpu"
+
+    def _buffer_device(self) -> torch.device:
+        return torch.device(self.device_type)
+
+    # --- rendezvous --------------------------------------------------------------------
+
+    def _prepare_transport(self) -> dict[str, Any]:
+        try:
+            listener = socket.create_server((self.host, 0), family=_family(self.host), backlog=1024)
+        except OSError as exc:
+            raise EngineOptionError(
+                f"{type(self).__name__}: cannot listen on host={self.host!r} ({exc}); set host to "
+                "an address of this machine"
+            ) from exc
+        port = listener.getsockname()[1]
+        # The store takes the bound socket over (and closes it when it is destroyed).
+        self._store = dist.TCPStore(
+            self.host,
+            port,
+            None,
+            True,
+            _timedelta(self.timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),
+        )
+        return {"host": self.host, "port": port}
+
+    def _connect_store(self, metadata: list[dict[str, Any]], is_master: bool) -> Any:
+        if not is_master:
+            self._close_store()
+            first = metadata[0]
+            host, port = first.get("host"), first.get("port")
+            if not isinstance(host, str) or not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+                raise WireFormatError(f"metadata[0] has no valid host/port: {host!r}:{port!r}")
+            try:
+                self._store = dist.TCPStore(host, port, None, False, _timedelta(self.timeout_s))
+            except (RuntimeError, OSError) as exc:
+                raise PeerLostError(
+                    f"cannot reach policy rank 0's rendezvous store at {host}:{port} within "
+                    f"{self.timeout_s:g}s: {exc}"
+                ) from exc
+        return dist.PrefixStore(f"ckpt_core/{metadata[0]['engine_id']}/", self._store)
+
+    def _make_link(self, store: Any, name: str, rank: int, size: int, peer: str) -> _Link:
+        prefixed = dist.PrefixStore(f"{name}/", store)
+        try:
+            control = self._new_control_group(dist.PrefixStore("control/", prefixed), rank, size)
+            if self._shares_control_group():
+                data = control
+            else:
+                data = self._new_data_group(dist.PrefixStore("data/", prefixed), rank, size)
+        except RuntimeError as exc:
+            raise PeerLostError(
+                f"forming the {name!r} group with {peer} failed within {self.timeout_s:g}s: {exc}"
+            ) from exc
+        self._groups.extend({id(control): control, id(data): data}.values())
+        return _Link(control, data, rank=rank, size=size, broadcast=self.topology == "broadcast", peer=peer)
+
+    def _check_topology(self, train_world_size: int, rollout_world_size: int) -> None:
+        if self.topology == "paired" and train_world_size < rollout_world_size:
+            raise EngineOptionError(
+                f"{type(self).__name__}: topology='paired' sends policy rank i to rollout rank i, "
+                f"so it needs at least as many policy ranks as rollout ranks; got "
+                f"{train_world_size} policy and {rollout_world_size} rollout ranks. Use "
+                "topology='broadcast' instead."
+            )
+
+    def _connect_policy(
+        self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> BucketSender | None:
+        self._check_topology(train_world_size, rollout_world_size)
+        store = self._connect_store(metadata, is_master=worker_rank == 0)
+        if self.topology == "broadcast":
+            if worker_rank != 0:
+                return None
+            peers = f"rollout ranks 0..{rollout_world_size - 1}"
+            link = self._make_link(store, "broadcast", 0, rollout_world_size + 1, peers)
+        else:
+            if worker_rank >= rollout_world_size:
+                return None
+            link = self._make_link(store, f"pair{worker_rank}", 0, 2, f"rollout rank {worker_rank}")
+        return DistributedSender(link, self.bucket_size, self._buffer_device())
+
+    def _connect_rollout(
+        self, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> BucketReceiver:
+        self._check_topology(train_world_size, rollout_world_size)
+        store = self._connect_store(metadata, is_master=False)
+        if self.topology == "broadcast":
+            link = self._make_link(store, "broadcast", rollout_rank + 1, rollout_world_size + 1, "policy rank 0")
+        else:
+            link = self._make_link(store, f"pair{rollout_rank}", 1, 2, f"policy rank {rollout_rank}")
+        return DistributedReceiver(link, self.bucket_size, self._buffer_device())
+
+    def _release_transport(self) -> None:
+        groups, self._groups = self._groups, []
+        for group in groups:
+            try:
+                group.shutdown()
+            except Exception:  # noqa: BLE001 - a group whose peer died may refuse a clean shutdown
+                pass
+        self._close_store()
+
+    def _close_store(self) -> None:
+        self._store = None
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -1,0 +1,285 @@
+"""``BucketedEngine``: the seed lifecycle over the shared pipeline, for transports to subclass.
+
+A transport subclasses it and answers only how peers meet and how one buffer moves:
+
+* ``_prepare_transport()`` -> extra JSON-compatible metadata for this worker (its address...);
+* ``_connect_policy(...)`` -> a :class:`~ckpt_core.transport.BucketSender`, or ``None`` for a
+  policy rank that has no receiver in the chosen topology (it drains its weights);
+* ``_connect_rollout(...)`` -> a :class:`~ckpt_core.transport.BucketReceiver`;
+* ``_release_transport()`` -> free what the three above acquired.
+
+This class owns the rest: option and metadata validation, the lifecycle state machine (clear
+``LifecycleError`` for out-of-order calls, one refit at a time), refit numbering, hooks and
+statistics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import math
+import uuid
+from collections.abc import AsyncGenerator, Generator, Iterator
+from typing import Any, ClassVar
+
+import torch
+
+from .base import CheckpointEngine
+from .checksum import payload_checksum
+from .errors import EngineOptionError, LifecycleError, WireFormatError
+from .hooks import RefitNotifier
+from .pipeline import Checksum, receive_refit, send_refit
+from .stats import RefitStats, Role
+from .transport import BucketReceiver, BucketSender
+from .wire import FORMAT_VERSION
+
+
+class _State(enum.Enum):
+    NEW = "new (call prepare())"
+    PREPARED = "prepared (call init_policy_process_group or init_rollout_process_group)"
+    POLICY = "initialized as a policy worker"
+    ROLLOUT = "initialized as a rollout worker"
+    FAILED = "failed (a refit failed: call finalize(), then prepare() and init again)"
+
+
+def check_positive_number(owner: str, option: str, value: Any) -> float:
+    """``value`` as a finite float > 0, else ``EngineOptionError``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise EngineOptionError(f"{owner}: {option} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def check_choice(owner: str, option: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise EngineOptionError(f"{owner}: {option} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
+def check_bool(owner: str, option: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise EngineOptionError(f"{owner}: {option} must be True or False, got {value!r}")
+    return value
+
+
+class BucketedEngine(CheckpointEngine):
+    """Base of engines built on the shared bucket pipeline.
+
+    Options: ``bucket_size`` (bytes per bucket; each side holds two), ``timeout_s`` (bound on
+    every wait, default 300), ``checksum`` (xxh3 per bucket, default on).
+    """
+
+    backend_name: ClassVar[str] = "bucketed"
+    """The entry-point name; stamped into metadata so engines of another backend are refused."""
+
+    def __init__(self, *, bucket_size: int, timeout_s: float = 300.0, checksum: bool = True) -> None:
+        owner = type(self).__name__
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
+            raise EngineOptionError(f"{owner}: bucket_size must be an int >= 1 (bytes), got {bucket_size!r}")
+        self.bucket_size = bucket_size
+        self.timeout_s = check_positive_number(owner, "timeout_s", timeout_s)
+        self.checksum = check_bool(owner, "checksum", checksum)
+        self._state = _State.NEW
+        self._engine_id = ""
+        self._sender: BucketSender | None = None
+        self._receiver: BucketReceiver | None = None
+        self._rank = -1
+        self._refit_index = 0
+        self._busy = False
+        self.last_stats: RefitStats | None = None
+        """Statistics of this worker's last completed refit."""
+
+    # --- what transports implement ---------------------------------------------------
+
+    def _prepare_transport(self) -> dict[str, Any]:
+        return {}
+
+    def _connect_policy(
+        self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> BucketSender | None:
+        raise NotImplementedError
+
+    def _connect_rollout(
+        self, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> BucketReceiver:
+        raise NotImplementedError
+
+    def _release_transport(self) -> None:
+        pass
+
+    def _payload_checksum(self) -> Checksum | None:
+        """The sender's checksum function, or ``None`` to send without one."""
+        return payload_checksum if self.checksum else None
+
+    def _merge_device(self) -> torch.device | str | None:
+        return None
+
+    # --- the seed lifecycle ------------------------------------------------------------
+
+    def prepare(self) -> dict[str, Any]:
+        self._require(_State.NEW, "prepare()")
+        self._engine_id = uuid.uuid4().hex
+        metadata = {"backend": self.backend_name, "format": FORMAT_VERSION, "engine_id": self._engine_id}
+        metadata.update(self._prepare_transport())
+        self._state = _State.PREPARED
+        return metadata
+
+    def init_policy_process_group(
+        self, *, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[Any]
+    ) -> None:
+        self._require(_State.PREPARED, "init_policy_process_group()")
+        checked = self._check_metadata(worker_rank, worker_rank, train_world_size, rollout_world_size, metadata)
+        self._sender = self._connect_policy(worker_rank, train_world_size, rollout_world_size, checked)
+        self._enter(_State.POLICY, worker_rank)
+
+    def init_rollout_process_group(
+        self, *, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[Any]
+    ) -> None:
+        self._require(_State.PREPARED, "init_rollout_process_group()")
+        own_index = train_world_size + rollout_rank if _is_int(train_world_size) else -1
+        checked = self._check_metadata(rollout_rank, own_index, train_world_size, rollout_world_size, metadata, role="rollout")
+        self._receiver = self._connect_rollout(rollout_rank, train_world_size, rollout_world_size, checked)
+        self._enter(_State.ROLLOUT, rollout_rank)
+
+    def finalize(self) -> None:
+        """Release buffers, connections and groups. Idempotent; ``prepare()`` may follow."""
+        try:
+            for end in (self._sender, self._receiver):
+                if end is not None:
+                    end.close()
+            self._release_transport()
+        finally:
+            self._sender = self._receiver = None
+            self._state = _State.NEW
+            self._refit_index = 0
+            self._busy = False
+
+    async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None]) -> None:
+        """Send one refit. Runs the transfer on the calling thread, yielding to the event loop
+        between buckets. A policy rank without a receiver drains ``weights`` (its iterator may
+        run collectives with the ranks that do send)."""
+        self._require(_State.POLICY, "send_weights()")
+        with self._refit_slot("send_weights()"):
+            if self._sender is None:
+                for _ in weights:
+                    pass
+                self._refit_index += 1
+                return
+            notifier = RefitNotifier(self.backend_name, "policy", self._rank)
+            try:
+                self.last_stats = await send_refit(
+                    weights,
+                    self._sender,
+                    bucket_size=self.bucket_size,
+                    context=notifier.context(self._refit_index),
+                    notifier=notifier,
+                    timeout_s=self.timeout_s,
+                    checksum=self._payload_checksum(),
+                )
+            except BaseException:
+                self._state = _State.FAILED
+                raise
+            self._refit_index += 1
+
+    async def receive_weight_batches(self) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
+        """Yield one refit's ``(name, tensor)`` batches, in the sender's order. Tensors own
+        their memory. Stopping early voids the refit (the engine must be re-initialized)."""
+        self._require(_State.ROLLOUT, "receive_weight_batches()")
+        assert self._receiver is not None
+        with self._refit_slot("receive_weight_batches()"):
+            notifier = RefitNotifier(self.backend_name, "rollout", self._rank)
+            stats = RefitStats()
+            completed = False
+            try:
+                async for batch in receive_refit(
+                    self._receiver,
+                    bucket_size=self.bucket_size,
+                    context=notifier.context(self._refit_index),
+                    notifier=notifier,
+                    timeout_s=self.timeout_s,
+                    verify_checksum=self.checksum,
+                    merge_device=self._merge_device(),
+                    stats=stats,
+                ):
+                    yield batch
+                completed = True
+            finally:
+                if completed:
+                    self.last_stats = stats
+                    self._refit_index += 1
+                else:
+                    self._state = _State.FAILED
+
+    # --- checks ------------------------------------------------------------------------
+
+    def _require(self, state: _State, call: str) -> None:
+        if self._state is not state:
+            raise LifecycleError(
+                f"{type(self).__name__}.{call} needs the engine to be {state.name.lower()}, but it "
+                f"is {self._state.value}"
+            )
+
+    def _enter(self, state: _State, rank: int) -> None:
+        self._state = state
+        self._rank = rank
+        self._refit_index = 0
+
+    @contextlib.contextmanager
+    def _refit_slot(self, call: str) -> Iterator[None]:
+        """Holds the engine's one refit slot; a second concurrent refit is refused."""
+        if self._busy:
+            raise LifecycleError(
+                f"{type(self).__name__}.{call}: a refit is already in progress on this engine; "
+                "await it before starting another"
+            )
+        self._busy = True
+        try:
+            yield
+        finally:
+            self._busy = False
+
+    def _check_metadata(
+        self,
+        rank: int,
+        own_index: int,
+        train_world_size: int,
+        rollout_world_size: int,
+        metadata: Any,
+        role: Role = "policy",
+    ) -> list[dict[str, Any]]:
+        owner = type(self).__name__
+        for label, value in (("train_world_size", train_world_size), ("rollout_world_size", rollout_world_size)):
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{owner}: {label} must be an int >= 1, got {value!r}")
+        size = train_world_size if role == "policy" else rollout_world_size
+        label = "worker_rank" if role == "policy" else "rollout_rank"
+        if not _is_int(rank) or not 0 <= rank < size:
+            raise ValueError(f"{owner}: {label} must be an int in [0, {size}), got {rank!r}")
+        expected = train_world_size + rollout_world_size
+        if not isinstance(metadata, list) or len(metadata) != expected:
+            got = len(metadata) if isinstance(metadata, list) else type(metadata).__name__
+            raise ValueError(
+                f"{owner}: metadata must be a list of {expected} prepare() results "
+                f"({train_world_size} policy entries, then {rollout_world_size} rollout entries), got {got}"
+            )
+        for index, entry in enumerate(metadata):
+            if not isinstance(entry, dict) or entry.get("backend") != self.backend_name:
+                found = entry.get("backend") if isinstance(entry, dict) else type(entry).__name__
+                raise WireFormatError(
+                    f"{owner}: metadata[{index}] comes from backend {found!r}, not "
+                    f"{self.backend_name!r}: every worker must use the same backend"
+                )
+            if entry.get("format") != FORMAT_VERSION:
+                raise WireFormatError(
+                    f"{owner}: metadata[{index}] has format {entry.get('format')!r}, this side speaks "
+                    f"{FORMAT_VERSION}: install the same ckpt-core version on every worker"
+                )
+        if metadata[own_index].get("engine_id") != self._engine_id:
+            raise ValueError(
+                f"{owner}: metadata[{own_index}] is not this engine's prepare() result: order the "
+                "list as policy entries by worker_rank, then rollout entries by rollout_rank"
+            )
+        return metadata
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,85 @@
+"""The exception types ckpt-core raises.
+
+Every error a caller can act on has its own type, and each also derives from the builtin a
+caller would naturally catch (``ValueError`` for bad input, ``TimeoutError`` for a missed
+deadline, ...), so ``except ValueError`` keeps working for code that does not know ours.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointEngineError(Exception):
+    """Base class of every error raised by ckpt-core and its transports."""
+
+
+# --- registry ------------------------------------------------------------------------------
+
+
+class UnknownBackendError(CheckpointEngineError, LookupError):
+    """No installed backend has the requested name."""
+
+
+class BackendImportError(CheckpointEngineError, ImportError):
+    """A backend is registered, but importing its entry point failed."""
+
+
+class DuplicateBackendError(CheckpointEngineError, LookupError):
+    """Two installed distributions register the same backend name."""
+
+
+class NotAnEngineError(CheckpointEngineError, TypeError):
+    """A backend target resolved to something that is not a ``CheckpointEngine`` subclass."""
+
+
+class EngineOptionError(CheckpointEngineError, TypeError):
+    """An engine option is unknown, or of the wrong type or value."""
+
+
+class BackendUnavailableError(CheckpointEngineError, RuntimeError):
+    """The backend is installed but cannot run here (no CUDA, no NCCL library, ...)."""
+
+
+# --- data ---------------------------------------------------------------------------------
+
+
+class UnsupportedTensorError(CheckpointEngineError, TypeError):
+    """A weight cannot be moved as plain bytes (quantized, sparse, not a tensor, ...)."""
+
+
+class ChunkStreamError(CheckpointEngineError, ValueError):
+    """A chunk stream is malformed: a gap, an overlap, a mismatched chunk, or a cut-off tensor."""
+
+
+class WireFormatError(CheckpointEngineError, ValueError):
+    """Bytes received from a peer do not decode to a valid header or metadata entry."""
+
+
+class IntegrityError(CheckpointEngineError):
+    """A bucket's payload does not match the checksum its header carries."""
+
+
+# --- lifecycle and transfer ---------------------------------------------------------------
+
+
+class LifecycleError(CheckpointEngineError, RuntimeError):
+    """A method was called out of order (receive before init, send after finalize, ...)."""
+
+
+class TransferError(CheckpointEngineError, RuntimeError):
+    """A refit failed while moving data; the refit is void and must be retried in full."""
+
+
+class PeerLostError(TransferError):
+    """A peer process went away (closed its connection or died) during a refit."""
+
+
+class TransferTimeoutError(TransferError, TimeoutError):
+    """A wait exceeded the engine's ``timeout_s``."""
+
+
+class RemoteRefitError(TransferError):
+    """The sending side aborted the refit (for example its weights generator raised)."""
+
+
+class AuthenticationError(CheckpointEngineError, PermissionError):
+    """A peer failed the shared-token challenge at rendezvous."""

@@ -1,0 +1,44 @@
+"""Plain records describing a refit, passed to hooks and returned by coordinators."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+Role = Literal["policy", "rollout"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RefitContext:
+    """Which worker is in which refit."""
+
+    backend: str
+    role: Role
+    rank: int
+    refit_index: int
+
+
+@dataclasses.dataclass
+class RefitStats:
+    """One worker's account of one refit. Times are wall-clock seconds."""
+
+    payload_bytes: int = 0
+    """Tensor bytes moved (not counting alignment padding or headers)."""
+    tensors: int = 0
+    buckets: int = 0
+    seconds: float = 0.0
+    pack_seconds: float = 0.0
+    """Sender: copying chunks into bucket buffers. Receiver: 0."""
+    transfer_seconds: float = 0.0
+    """Time spent waiting on the transport (the part not hidden by double buffering)."""
+    unpack_seconds: float = 0.0
+    """Receiver: reassembling tensors from buckets. Sender: 0."""
+    checksum_seconds: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        """Payload throughput in GB/s (1e9 bytes per second)."""
+        return self.payload_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "gbps": self.gbps}

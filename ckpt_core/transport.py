@@ -1,0 +1,69 @@
+"""The two small interfaces a transport implements: how one bucket moves, on each side.
+
+The refit pipeline (:mod:`ckpt_core.pipeline`) owns everything else: splitting weights into
+chunks, packing buckets, headers, checksums, double buffering, reassembly and hooks. A
+transport owns its bucket buffers (``num_slots`` of them, each ``bucket_size`` bytes, allocated
+once) and moves the first ``nbytes`` of a slot, with a header, to its peers.
+
+Bucket ``k`` of a refit always uses slot ``k % num_slots`` on both sides. Every blocking method
+takes ``timeout_s`` and raises ``TransferTimeoutError`` past it, or ``PeerLostError`` as soon as
+the transport sees its peer gone.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+
+class BucketSender(abc.ABC):
+    """Sender side: moves a packed slot and its header to every receiver of this sender."""
+
+    num_slots: int = 2
+
+    @abc.abstractmethod
+    def buffer(self, slot: int) -> torch.Tensor:
+        """The 1-D ``uint8`` buffer of ``slot``, packed by the pipeline."""
+
+    @abc.abstractmethod
+    def post(self, slot: int, header: bytes, nbytes: int, timeout_s: float) -> None:
+        """Start moving ``header`` and ``buffer(slot)[:nbytes]``; may return before they arrive.
+
+        Headers reach each receiver in the order they were posted.
+        """
+
+    @abc.abstractmethod
+    def wait_slot(self, slot: int, timeout_s: float) -> None:
+        """Block until ``buffer(slot)`` may be overwritten (its last post has been delivered)."""
+
+    def close(self) -> None:
+        """Release buffers and connections. Idempotent."""
+
+
+class BucketReceiver(abc.ABC):
+    """Receiver side: takes headers and payloads from this receiver's sender."""
+
+    num_slots: int = 2
+
+    @abc.abstractmethod
+    def buffer(self, slot: int) -> torch.Tensor:
+        """The 1-D ``uint8`` buffer ``slot``'s payload lands in (or is mapped from)."""
+
+    @abc.abstractmethod
+    def recv_header(self, timeout_s: float) -> bytes:
+        """Block for the next header's bytes."""
+
+    @abc.abstractmethod
+    def post_payload(self, slot: int, nbytes: int, timeout_s: float) -> None:
+        """Start receiving the payload announced by the last header into ``buffer(slot)``."""
+
+    @abc.abstractmethod
+    def wait_payload(self, slot: int, timeout_s: float) -> None:
+        """Block until ``buffer(slot)[:nbytes]`` holds the whole payload."""
+
+    def release(self, slot: int) -> None:
+        """The pipeline is done reading ``buffer(slot)``: the sender may refill it."""
+
+    def close(self) -> None:
+        """Release buffers and connections. Idempotent."""

@@ -1,0 +1,149 @@
+"""The bucket header: what a receiver must know to unpack one bucket, as versioned JSON.
+
+A header lists the bucket's chunks column by column (names, shapes, dtypes, chunk offsets and
+sizes, bucket offsets), which keeps encoding and decoding cheap for buckets of many tiny
+tensors. Decoding treats the bytes as untrusted: every field is type- and range-checked, and
+every chunk must lie inside the payload, before anything is built from it. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import torch
+
+from .base import TensorMeta
+from .dtypes import dtype_from_name, dtype_name
+from .errors import WireFormatError
+
+FORMAT_VERSION = 1
+MAX_HEADER_BYTES = 64 << 20
+"""Upper bound on an encoded header (about 500k chunks); a larger length is refused unread."""
+
+_COLUMNS = ("names", "shapes", "dtypes", "chunk_offsets", "chunk_sizes", "offsets")
+_FIELDS = {"format", "refit", "bucket", "nbytes", "last", "checksum", "abort", *_COLUMNS}
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketHeader:
+    """Describes bucket ``bucket_index`` of refit ``refit_index``.
+
+    ``payload_nbytes`` bytes of the bucket buffer carry data; ``chunks`` place each chunk
+    inside them. ``last`` marks the refit's final bucket. ``checksum`` is the payload's xxh3_64,
+    or ``None`` when the sender has checksums off. ``abort`` carries the sender's error message
+    when it gave up on the refit; such a header has no chunks and no payload.
+    """
+
+    refit_index: int
+    bucket_index: int
+    payload_nbytes: int
+    last: bool
+    chunks: tuple[TensorMeta, ...] = ()
+    checksum: int | None = None
+    abort: str | None = None
+
+
+def encode_header(header: BucketHeader) -> bytes:
+    chunks = header.chunks
+    doc = {
+        "format": FORMAT_VERSION,
+        "refit": header.refit_index,
+        "bucket": header.bucket_index,
+        "nbytes": header.payload_nbytes,
+        "last": header.last,
+        "checksum": header.checksum,
+        "abort": header.abort,
+        "names": [m.name for m in chunks],
+        "shapes": [list(m.shape) for m in chunks],
+        "dtypes": [dtype_name(m.dtype) for m in chunks],
+        "chunk_offsets": [m.chunk_offset for m in chunks],
+        "chunk_sizes": [m.chunk_size for m in chunks],
+        "offsets": [m.offset for m in chunks],
+    }
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def decode_header(data: bytes | bytearray | memoryview, *, bucket_size: int) -> BucketHeader:
+    """Parse and validate a header; raises ``WireFormatError`` for anything malformed."""
+    if len(data) > MAX_HEADER_BYTES:
+        raise WireFormatError(f"bucket header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        doc = json.loads(bytes(data))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise WireFormatError(f"bucket header is not valid JSON ({exc}); truncated or corrupt") from None
+    if not isinstance(doc, dict):
+        raise WireFormatError(f"bucket header must be a JSON object, got {type(doc).__name__}")
+    version = doc.get("format")
+    if version != FORMAT_VERSION:
+        raise WireFormatError(
+            f"bucket header has format version {version!r}, this side speaks {FORMAT_VERSION}: "
+            "install the same ckpt-core version on senders and receivers"
+        )
+    if set(doc) != _FIELDS:
+        raise WireFormatError(f"bucket header fields {sorted(doc)} differ from {sorted(_FIELDS)}")
+    refit = _uint(doc, "refit")
+    bucket = _uint(doc, "bucket")
+    nbytes = _uint(doc, "nbytes")
+    if nbytes > bucket_size:
+        raise WireFormatError(f"bucket payload of {nbytes} bytes exceeds the bucket size {bucket_size}")
+    last = doc["last"]
+    if not isinstance(last, bool):
+        raise WireFormatError(f"bucket header 'last' must be a bool, got {last!r}")
+    checksum = doc["checksum"]
+    if checksum is not None and not _is_uint(checksum):
+        raise WireFormatError(f"bucket header 'checksum' must be an int >= 0 or null, got {checksum!r}")
+    abort = doc["abort"]
+    if abort is not None and not isinstance(abort, str):
+        raise WireFormatError(f"bucket header 'abort' must be a string or null, got {abort!r}")
+    chunks = _decode_chunks(doc, nbytes)
+    return BucketHeader(refit, bucket, nbytes, last, chunks, checksum, abort)
+
+
+def _decode_chunks(doc: dict[str, Any], payload_nbytes: int) -> tuple[TensorMeta, ...]:
+    columns = [doc[c] for c in _COLUMNS]
+    if not all(isinstance(col, list) for col in columns):
+        raise WireFormatError("bucket header chunk columns must be lists")
+    count = len(columns[0])
+    if any(len(col) != count for col in columns):
+        raise WireFormatError("bucket header chunk columns have different lengths")
+    chunks = []
+    dtypes: dict[str, torch.dtype] = {}
+    for name, shape, dtype, chunk_offset, chunk_size, offset in zip(*columns):
+        if not isinstance(name, str):
+            raise WireFormatError(f"chunk name must be a string, got {name!r}")
+        if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
+            raise WireFormatError(f"tensor {name!r}: shape must be a list of ints >= 0, got {shape!r}")
+        if not (_is_uint(chunk_offset) and _is_uint(chunk_size) and _is_uint(offset)):
+            raise WireFormatError(
+                f"tensor {name!r}: chunk_offset, chunk_size and offset must be ints >= 0, got "
+                f"{chunk_offset!r}, {chunk_size!r}, {offset!r}"
+            )
+        if not isinstance(dtype, str):
+            raise WireFormatError(f"tensor {name!r}: dtype must be a string, got {dtype!r}")
+        torch_dtype = dtypes.get(dtype) or dtypes.setdefault(dtype, dtype_from_name(dtype))
+        meta = TensorMeta(name, torch.Size(shape), torch_dtype, chunk_offset, chunk_size, offset)
+        if chunk_offset + chunk_size > meta.nbytes:
+            raise WireFormatError(
+                f"tensor {name!r}: chunk [{chunk_offset}, {chunk_offset + chunk_size}) lies outside "
+                f"the tensor's {meta.nbytes} bytes"
+            )
+        if offset + chunk_size > payload_nbytes:
+            raise WireFormatError(
+                f"tensor {name!r}: chunk at bucket bytes [{offset}, {offset + chunk_size}) lies "
+                f"outside the {payload_nbytes}-byte payload"
+            )
+        chunks.append(meta)
+    return tuple(chunks)
+
+
+def _is_uint(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _uint(doc: dict[str, Any], field: str) -> int:
+    value = doc[field]
+    if not _is_uint(value):
+        raise WireFormatError(f"bucket header {field!r} must be an int >= 0, got {value!r}")
+    return int(value)

@@ -1,0 +1,5 @@
+"""ckpt-nccl: the ``nccl`` transport of ckpt-core."""
+
+from .engine import NcclCheckpointEngine
+
+__all__ = ["NcclCheckpointEngine"]
