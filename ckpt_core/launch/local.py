@@ -1,0 +1,171 @@
+"""``LocalProcessPool``: worker services in local subprocesses, called in parallel with deadlines.
+
+Each worker is a fresh Python process (``python -m ckpt_core.launch.worker_main``) talking
+JSON lines over two pipes. Calls to several workers run concurrently (a refit needs senders
+and receivers at once); every call has a deadline, and a worker that dies is reported with
+its exit status instead of being waited for.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ..coordinator import CallResult
+from .protocol import MAX_LINE_BYTES, decode, encode
+
+
+class _Worker:
+    def __init__(self, label: str, env: dict[str, str] | None) -> None:
+        self.label = label
+        to_child_r, self._to_child = os.pipe()
+        self._from_child, from_child_w = os.pipe()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "ckpt_core.launch.worker_main", str(to_child_r), str(from_child_w)],
+            pass_fds=(to_child_r, from_child_w),
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        os.close(to_child_r)
+        os.close(from_child_w)
+        self._buffer = b""
+
+    @property
+    def reader(self) -> int:
+        return self._from_child
+
+    def send(self, method: str, kwargs: dict[str, Any]) -> None:
+        os.write(self._to_child, encode({"method": method, "kwargs": kwargs}))
+
+    def read_available(self) -> dict[str, Any] | None:
+        """Read what the pipe holds; the reply once a whole line arrived. EOF raises."""
+        chunk = os.read(self._from_child, 1 << 20)
+        if not chunk:
+            raise EOFError
+        self._buffer += chunk
+        if len(self._buffer) > MAX_LINE_BYTES:
+            raise ValueError(f"{self.label} sent a reply larger than {MAX_LINE_BYTES} bytes")
+        if b"\n" not in self._buffer:
+            return None
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return decode(line)
+
+    def exit_description(self) -> str:
+        try:
+            code = self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return "stopped answering"
+        if code < 0:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        return f"exited with status {code}"
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Close the request pipe (the worker exits at end of input), then reap the process."""
+        os.close(self._to_child)
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        os.close(self._from_child)
+
+
+class LocalProcessPool:
+    """Runs one service object per local process; ``call`` reaches several of them at once.
+
+    ``services[i]`` is ``{"service": "module:Class", **constructor kwargs}``; ``labels[i]``
+    names worker ``i`` in errors (for example ``"rollout rank 1"``).
+    """
+
+    def __init__(
+        self,
+        services: Sequence[dict[str, Any]],
+        *,
+        labels: Sequence[str] | None = None,
+        start_timeout_s: float = 120.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        labels = list(labels) if labels is not None else [f"worker {i}" for i in range(len(services))]
+        self._workers = [_Worker(label, env) for label in labels]
+        try:
+            results = self.call([(i, "__init__", dict(spec)) for i, spec in enumerate(services)], start_timeout_s)
+            failed = [r for r in results if not r.ok]
+            if failed:
+                raise RuntimeError("starting workers failed:\n" + "\n".join(r.describe() for r in failed))
+        except BaseException:
+            self.close()
+            raise
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def pid(self, index: int) -> int:
+        return self._workers[index].process.pid
+
+    def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to worker ``index`` (tests use it to simulate a crashed peer)."""
+        self._workers[index].process.send_signal(sig)
+
+    def call(self, calls: Sequence[tuple[int, str, dict[str, Any]]], timeout_s: float) -> list[CallResult]:
+        """Call ``method(**kwargs)`` on each listed worker concurrently; one result per call.
+
+        A call that has not answered within ``timeout_s`` (from now) fails with a timeout and its
+        worker is killed; a worker that dies fails its call at once with its exit status.
+        """
+        pending: dict[int, int] = {}
+        results: list[CallResult | None] = [None] * len(calls)
+        for position, (index, method, kwargs) in enumerate(calls):
+            worker = self._workers[index]
+            try:
+                worker.send(method, kwargs)
+                pending[worker.reader] = position
+            except OSError:
+                results[position] = CallResult.failure(worker.label, "WorkerExited", f"{worker.label} {worker.exit_description()}")
+        deadline = time.monotonic() + timeout_s
+        with selectors.DefaultSelector() as selector:
+            for fd in pending:
+                selector.register(fd, selectors.EVENT_READ)
+            while pending:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                for key, _ in selector.select(timeout=remaining):
+                    position = pending[key.fd]
+                    worker = self._workers[calls[position][0]]
+                    try:
+                        reply = worker.read_available()
+                    except (EOFError, OSError):
+                        reply = {"ok": False, "error_type": "WorkerExited", "message": f"{worker.label} {worker.exit_description()}"}
+                    if reply is None:
+                        continue
+                    results[position] = CallResult.from_reply(worker.label, reply)
+                    selector.unregister(key.fd)
+                    del pending[key.fd]
+        for position in pending.values():
+            worker = self._workers[calls[position][0]]
+            # A worker past its deadline is stopped: its late reply would answer the next call.
+            worker.process.kill()
+            results[position] = CallResult.failure(
+                worker.label,
+                "TimeoutError",
+                f"{worker.label} did not answer {calls[position][1]}() within {timeout_s:g}s and was stopped",
+            )
+        return [r for r in results if r is not None]
+
+    def close(self) -> None:
+        """End every worker's input, then reap it (killing any that does not stop)."""
+        workers, self._workers = self._workers, []
+        for worker in workers:
+            worker.close()
+
+    def __enter__(self) -> LocalProcessPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

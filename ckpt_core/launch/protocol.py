@@ -1,0 +1,23 @@
+"""The local launcher's wire protocol: one JSON object per line, in each direction.
+
+Request: ``{"method": str, "kwargs": {...}}``. Reply: ``{"ok": true, "result": ...}`` or
+``{"ok": false, "error_type": str, "message": str, "traceback": str}``. Never pickle.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+MAX_LINE_BYTES = 256 << 20
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+
+
+def decode(line: bytes) -> dict[str, Any]:
+    message = json.loads(line)
+    if not isinstance(message, dict):
+        raise ValueError(f"protocol message must be a JSON object, got {type(message).__name__}")
+    return message

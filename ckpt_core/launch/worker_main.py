@@ -1,0 +1,52 @@
+"""Entry point of a local worker process: ``python -m ckpt_core.launch.worker_main IN_FD OUT_FD``.
+
+The first request must be ``{"method": "__init__", "kwargs": {"service": "module:Class", ...}}``;
+it builds the service object. Each later request calls one of its public methods. The process
+exits when its input closes (the coordinator is done with it, or went away).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Any
+
+from ckpt_core.launch.protocol import decode, encode
+from ckpt_core.workload import load_target
+
+
+def _reply(out: Any, message: dict[str, Any]) -> None:
+    out.write(encode(message))
+    out.flush()
+
+
+def serve(in_fd: int, out_fd: int) -> None:
+    service: Any = None
+    with os.fdopen(in_fd, "rb") as requests, os.fdopen(out_fd, "wb") as out:
+        for line in requests:
+            try:
+                request = decode(line)
+                method, kwargs = request["method"], dict(request.get("kwargs") or {})
+                if method == "__init__":
+                    service = load_target(kwargs.pop("service"))(**kwargs)
+                    result = None
+                elif service is None or method.startswith("_"):
+                    raise RuntimeError(f"cannot call {method!r} before __init__, or a private method")
+                else:
+                    result = getattr(service, method)(**kwargs)
+                _reply(out, {"ok": True, "result": result})
+            except Exception as exc:  # noqa: BLE001 - every failure goes back to the coordinator
+                _reply(
+                    out,
+                    {
+                        "ok": False,
+                        "error_type": type(exc).__name__,
+                        "message": str(exc),
+                        "traceback": traceback.format_exc(),
+                    },
+                )
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), int(sys.argv[2]))

@@ -1,0 +1,167 @@
+"""``RefitWorker``: one policy or rollout worker hosting an engine, driven by a coordinator.
+
+Every method takes and returns JSON-compatible data, so the same object serves a local
+subprocess (:mod:`ckpt_core.launch.local`) and a Ray actor (:mod:`ckpt_core.ray`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import time
+from typing import Any
+
+import torch
+
+from .base import CheckpointEngine, create_checkpoint_engine
+from .stats import Role
+from .workload import digests, load_target
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class RefitWorker:
+    """Hosts one engine. Policy workers send the tensors of a weights factory; rollout workers
+    keep what they receive for the refit and report its digests, so a coordinator can check
+    every tensor bit-exact against its source.
+
+    ``weights`` is a ``"module:function"`` weights factory (see :mod:`ckpt_core.workload`),
+    called with ``weights_params``; rollout workers need none. ``verify`` turns digests on.
+    """
+
+    def __init__(
+        self,
+        *,
+        role: Role,
+        rank: int,
+        backend: str,
+        bucket_size: int,
+        engine_kwargs: dict[str, Any] | None = None,
+        weights: str | None = None,
+        weights_params: dict[str, Any] | None = None,
+        verify: bool = True,
+        hook_plugins: list[str] | None = None,
+    ) -> None:
+        if role not in ("policy", "rollout"):
+            raise ValueError(f"role must be 'policy' or 'rollout', got {role!r}")
+        if role == "policy" and not weights:
+            raise ValueError("a policy worker needs a weights factory ('module:function')")
+        self.role: Role = role
+        self.rank = rank
+        self.backend = backend
+        self.bucket_size = bucket_size
+        self.engine_kwargs = dict(engine_kwargs or {})
+        self.weights = load_target(weights) if weights else None
+        self.weights_params = dict(weights_params or {})
+        self.verify = verify
+        if hook_plugins:
+            from .hooks import plugin_manager
+
+            for target in hook_plugins:
+                plugin_manager().register(load_target(target)())
+        self.engine: CheckpointEngine = self._new_engine()
+
+    def _new_engine(self) -> CheckpointEngine:
+        return create_checkpoint_engine(
+            self.backend, bucket_size_bytes=self.bucket_size, engine_kwargs=dict(self.engine_kwargs)
+        )
+
+    def prepare(self) -> Any:
+        return self.engine.prepare()
+
+    def init(self, *, train_world_size: int, rollout_world_size: int, metadata: list[Any]) -> None:
+        if self.role == "policy":
+            self.engine.init_policy_process_group(
+                worker_rank=self.rank,
+                train_world_size=train_world_size,
+                rollout_world_size=rollout_world_size,
+                metadata=metadata,
+            )
+        else:
+            self.engine.init_rollout_process_group(
+                rollout_rank=self.rank,
+                train_world_size=train_world_size,
+                rollout_world_size=rollout_world_size,
+                metadata=metadata,
+            )
+
+    def refit(self, *, refit_index: int) -> dict[str, Any]:
+        """Run this worker's side of one refit; returns stats, digests and peak RSS."""
+        start = time.perf_counter()
+        if self.role == "policy":
+            assert self.weights is not None
+            source = self.weights(self.weights_params, refit_index=refit_index, rank=self.rank)
+            asyncio.run(self.engine.send_weights(iter(source)))
+            received: dict[str, torch.Tensor] = {}
+            wall = time.perf_counter() - start
+            # Digests of the source, computed after the send so they are not in its timing.
+            sent = digests(self.weights(self.weights_params, refit_index=refit_index, rank=self.rank)) if self.verify else {}
+            result_digests = sent
+        else:
+            received = asyncio.run(self._receive())
+            wall = time.perf_counter() - start
+            result_digests = digests(received.items()) if self.verify else {}
+        stats = getattr(self.engine, "last_stats", None)
+        return {
+            "role": self.role,
+            "rank": self.rank,
+            "wall_seconds": wall,
+            "stats": stats.to_dict() if stats is not None else None,
+            "tensors": len(result_digests) if self.verify else len(received),
+            "digests": result_digests,
+            "peak_rss_bytes": peak_rss_bytes(),
+        }
+
+    async def _receive(self) -> dict[str, torch.Tensor]:
+        received: dict[str, torch.Tensor] = {}
+        async for batch in self.engine.receive_weight_batches():
+            for name, tensor in batch:
+                if name in received:
+                    raise ValueError(f"tensor {name!r} arrived twice in one refit")
+                received[name] = tensor
+        return received
+
+    def finalize(self) -> None:
+        self.engine.finalize()
+
+    def reset(self) -> None:
+        """Finalize and build a fresh engine (the recovery path after a failed refit)."""
+        try:
+            self.engine.finalize()
+        finally:
+            self.engine = self._new_engine()
+
+
+def refit_worker_specs(
+    *,
+    backend: str,
+    num_policy: int,
+    num_rollout: int,
+    bucket_size: int,
+    engine_kwargs: dict[str, Any] | None = None,
+    weights: str,
+    weights_params: dict[str, Any] | None = None,
+    verify: bool = True,
+    hook_plugins: list[str] | None = None,
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Service specs and labels for a pool of ``num_policy`` + ``num_rollout`` RefitWorkers,
+    in coordinator order (policy ranks, then rollout ranks)."""
+    specs, labels = [], []
+    common = {
+        "service": "ckpt_core.worker:RefitWorker",
+        "backend": backend,
+        "bucket_size": bucket_size,
+        "engine_kwargs": dict(engine_kwargs or {}),
+        "verify": verify,
+    }
+    for rank in range(num_policy):
+        specs.append({**common, "role": "policy", "rank": rank, "weights": weights,
+                      "weights_params": dict(weights_params or {}), "hook_plugins": hook_plugins})
+        labels.append(f"policy rank {rank}")
+    for rank in range(num_rollout):
+        specs.append({**common, "role": "rollout", "rank": rank, "hook_plugins": hook_plugins})
+        labels.append(f"rollout rank {rank}")
+    return specs, labels
