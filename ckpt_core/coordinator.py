@@ -115,7 +115,10 @@ class RefitCoordinator:
         return range(self.num_policy, self.num_policy + self.num_rollout)
 
     def _all(self, step: str, method: str, kwargs: dict[str, Any] | None = None) -> list[Any]:
-        results = self.pool.call([(i, method, dict(kwargs or {})) for i in range(len(self.pool))], self.timeout_s)
+        return self._checked(step, [(i, method, dict(kwargs or {})) for i in range(len(self.pool))])
+
+    def _checked(self, step: str, calls: list[tuple[int, str, dict[str, Any]]]) -> list[Any]:
+        results = self.pool.call(calls, self.timeout_s)
         failures = [r for r in results if not r.ok]
         if failures:
             raise RefitFailedError(step, failures)
@@ -129,13 +132,22 @@ class RefitCoordinator:
         self._ready = True
         self._refits_since_init = 0
 
-    def refit(self) -> RefitReport:
-        """One refit on every worker at once; raises ``RefitFailedError`` unless all succeeded."""
+    def refit(self, *, weights: str | None = None, weights_params: dict[str, Any] | None = None) -> RefitReport:
+        """One refit on every worker at once; raises ``RefitFailedError`` unless all succeeded.
+
+        ``weights``/``weights_params`` replace the policy workers' weights factory for this
+        refit (a ``"module:function"`` target, see :mod:`ckpt_core.workload`).
+        """
         if not self._ready:
             raise RuntimeError("call setup() (again, after a failure: recover()) before refit()")
         index = self._refits_since_init
+        policy_kwargs: dict[str, Any] = {"refit_index": index}
+        if weights is not None:
+            policy_kwargs.update(weights=weights, weights_params=weights_params or {})
+        calls = [(i, "refit", dict(policy_kwargs)) for i in self.policy_workers]
+        calls += [(i, "refit", {"refit_index": index}) for i in self.rollout_workers]
         try:
-            results = self._all(f"refit {index}", "refit", {"refit_index": index})
+            results = self._checked(f"refit {index}", calls)
         except RefitFailedError:
             self._ready = False
             raise

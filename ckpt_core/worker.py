@@ -88,18 +88,23 @@ class RefitWorker:
                 metadata=metadata,
             )
 
-    def refit(self, *, refit_index: int) -> dict[str, Any]:
-        """Run this worker's side of one refit; returns stats, digests and peak RSS."""
+    def refit(
+        self, *, refit_index: int, weights: str | None = None, weights_params: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Run this worker's side of one refit; returns stats, digests and peak RSS.
+
+        ``weights``/``weights_params`` replace the worker's weights factory for this refit.
+        """
         start = time.perf_counter()
         if self.role == "policy":
-            assert self.weights is not None
-            source = self.weights(self.weights_params, refit_index=refit_index, rank=self.rank)
-            asyncio.run(self.engine.send_weights(iter(source)))
+            factory = load_target(weights) if weights else self.weights
+            params = self.weights_params if weights_params is None else weights_params
+            assert factory is not None
+            asyncio.run(self.engine.send_weights(iter(factory(params, refit_index=refit_index, rank=self.rank))))
             received: dict[str, torch.Tensor] = {}
             wall = time.perf_counter() - start
             # Digests of the source, computed after the send so they are not in its timing.
-            sent = digests(self.weights(self.weights_params, refit_index=refit_index, rank=self.rank)) if self.verify else {}
-            result_digests = sent
+            result_digests = digests(factory(params, refit_index=refit_index, rank=self.rank)) if self.verify else {}
         else:
             received = asyncio.run(self._receive())
             wall = time.perf_counter() - start

@@ -1,0 +1,97 @@
+"""Weights factories for conformance tests (``"ckpt_core.testing.weights:NAME"`` targets).
+
+Each is called as ``factory(params, refit_index=..., rank=...)`` in a worker process and is
+deterministic in ``(params["seed"], refit_index)``: a receiver's digests can be checked
+against the sender's, and values change from one refit to the next.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..dtypes import dtype_name, transferable_dtypes
+
+Weights = Iterator[tuple[str, torch.Tensor]]
+
+
+def random_bytes(nbytes: int, generator: torch.Generator) -> torch.Tensor:
+    """``nbytes`` random bytes as a 1-D ``uint8`` tensor."""
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` whose bytes are random (any bit pattern, NaNs too)."""
+    numel = torch.Size(shape).numel()
+    return random_bytes(numel * dtype.itemsize, generator).view(dtype).reshape(shape)
+
+
+def _generator(params: dict[str, Any], refit_index: int, rank: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(int(params.get("seed", 0)) * 1_000_003 + refit_index * 7919 + rank)
+
+
+def every_dtype(params: dict[str, Any], *, refit_index: int, rank: int) -> Weights:
+    """One tensor of every byte-movable dtype, plus zero-element, 0-d, non-contiguous and
+    bool/int/bf16/float8 edge cases. ``params["elements"]`` sets the size (default 257)."""
+    g = _generator(params, refit_index)
+    elements = int(params.get("elements", 257))
+    for dtype in transferable_dtypes():
+        yield f"dtype.{dtype_name(dtype)}", random_tensor((elements,), dtype, g)
+    yield "empty.float32", torch.empty(0, dtype=torch.float32)
+    yield "empty.2d.bfloat16", torch.empty(3, 0, dtype=torch.bfloat16)
+    yield "scalar.float64", random_tensor((), torch.float64, g)
+    yield "scalar.bool", torch.tensor(refit_index % 2 == 0)
+    yield "scalar.int64", torch.tensor(refit_index - 5, dtype=torch.int64)
+    yield "noncontiguous.transposed", random_tensor((7, 5), torch.float32, g).t()
+    yield "noncontiguous.strided", random_tensor((40,), torch.bfloat16, g)[::3]
+    yield "float8.e4m3fn", random_tensor((33,), torch.float8_e4m3fn, g)
+
+
+def sized(params: dict[str, Any], *, refit_index: int, rank: int) -> Weights:
+    """``params["sizes"]``: byte sizes of uint8/fp32/bf16 tensors to send, in order."""
+    g = _generator(params, refit_index)
+    dtypes = (torch.float32, torch.bfloat16, torch.uint8)
+    for i, nbytes in enumerate(params["sizes"]):
+        dtype = dtypes[i % len(dtypes)]
+        yield f"sized.{i}", random_tensor((int(nbytes) // dtype.itemsize,), dtype, g)
+
+
+def tiny(params: dict[str, Any], *, refit_index: int, rank: int) -> Weights:
+    """``params["count"]`` tensors of ``params.get("nbytes", 16)`` bytes each."""
+    g = _generator(params, refit_index)
+    nbytes = int(params.get("nbytes", 16))
+    data = random_bytes(int(params["count"]) * nbytes, g).view(-1, nbytes)
+    for i in range(int(params["count"])):
+        yield f"tiny.{i}", data[i].view(torch.float32) if nbytes % 4 == 0 else data[i]
+
+
+def nothing(params: dict[str, Any], *, refit_index: int, rank: int) -> Weights:
+    """A policy generator that yields no tensor at all."""
+    return iter(())
+
+
+def failing(params: dict[str, Any], *, refit_index: int, rank: int) -> Weights:
+    """Yields ``params["after"]`` tensors of ``sized``-like data, then raises RuntimeError."""
+    g = _generator(params, refit_index)
+    for i in range(int(params.get("after", 1))):
+        yield f"before_failure.{i}", random_tensor((int(params.get("elements", 1024)),), torch.float32, g)
+    raise RuntimeError("weights generator failed on purpose (ckpt_core.testing.weights:failing)")
+
+
+def slow(params: dict[str, Any], *, refit_index: int, rank: int) -> Weights:
+    """``params["count"]`` tensors of ``params["nbytes"]`` bytes, sleeping ``params["delay_s"]``
+    before each: a refit that is reliably still running when a test kills a peer."""
+    g = _generator(params, refit_index)
+    for i in range(int(params["count"])):
+        time.sleep(float(params["delay_s"]))
+        yield f"slow.{i}", random_bytes(int(params["nbytes"]), g)
+
+
+def rank_dependent(params: dict[str, Any], *, refit_index: int, rank: int) -> Weights:
+    """Different values on every policy rank (to check that paired ranks are not mixed up)."""
+    g = _generator(params, refit_index, rank)
+    for i in range(int(params.get("count", 4))):
+        yield f"rank_dependent.{i}", random_tensor((int(params.get("elements", 4096)),), torch.float32, g)
