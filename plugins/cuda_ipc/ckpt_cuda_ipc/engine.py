@@ -1,15 +1,400 @@
-"""``CudaIpcCheckpointEngine``: colocated refit through mapped buffers (skeleton)."""
+"""``CudaIpcCheckpointEngine``: colocated refit through buffers the rollouts map.
+
+Lifecycle (what each call does on each side):
+
+* ``prepare()`` (every worker; the role is not known yet): sweeps control directories left by
+  killed processes, opens a Unix listener in a fresh private directory and returns its path,
+  the node's identity and the buffer device kind. Nothing is allocated.
+* ``init_policy_process_group``: policy rank 0 allocates the slot buffers (once), accepts one
+  connection per rollout rank, checks each (same user, expected rank and engine id), sends it
+  the buffers (a memfd descriptor, or the CUDA IPC handle, exported once) and waits until every
+  rollout has mapped them; then it removes its listener. Other policy ranks remove theirs and
+  drain their weights at each refit (topology ``broadcast``).
+* ``init_rollout_process_group``: removes its own listener, connects to policy rank 0, maps
+  the buffers once and keeps them for every refit.
+* refits: see :mod:`.transport`. ``finalize()`` closes channels, mappings, buffers and listeners.
+"""
 
 from __future__ import annotations
 
-from typing import ClassVar
+import os
+import socket
+import sys
+import tempfile
+from typing import Any, ClassVar
+
+import torch
 
 from ckpt_core.capabilities import BackendCapabilities
-from ckpt_core.engine import BucketedEngine
+from ckpt_core.engine import BucketedEngine, check_bool, check_positive_number
+from ckpt_core.errors import (
+    AuthenticationError,
+    BackendUnavailableError,
+    EngineOptionError,
+    PeerLostError,
+    TransferError,
+    TransferTimeoutError,
+    WireFormatError,
+)
+from ckpt_core.transport import BucketReceiver, BucketSender
+
+from .buffers import CudaSlots, HostSlots, import_cupy
+from .control import (
+    Channel,
+    Deadline,
+    Kind,
+    Listener,
+    check_socket_parent,
+    connect,
+    decode_json,
+    peer_credentials,
+    sweep_stale,
+)
+from .transport import IpcReceiver, IpcSender
+
+NUM_SLOTS = 2
+_ROLLOUT_PEER = "policy rank 0"
+
+
+def _node_identity() -> str:
+    """Which machine (boot) this is: processes on one node agree, across containers too."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _parse_device(owner: str, device: Any) -> torch.device:
+    if not isinstance(device, (str, torch.device)):
+        raise EngineOptionError(f"{owner}: device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise EngineOptionError(f"{owner}: device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if parsed.type not in ("cpu", "cuda") or (parsed.type == "cpu" and parsed.index not in (None, 0)):
+        raise EngineOptionError(f"{owner}: device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return torch.device("cpu") if parsed.type == "cpu" else parsed
 
 
 class CudaIpcCheckpointEngine(BucketedEngine):
+    """Refit between processes on one node through shared slot buffers (see the module docstring).
+
+    Options:
+
+    * ``bucket_size`` (bytes, via ``bucket_size_bytes``): size of each of the two slots; every
+      worker must use the same value.
+    * ``device``: ``"cpu"`` (default: shared host memory, runs anywhere), ``"cuda"`` (this
+      process's current CUDA device) or ``"cuda:N"``. Every worker must use the same kind; a
+      rollout maps the policy's buffers on its own device, which must be the policy's GPU or a
+      peer-capable one. Rollouts receive tensors on this device.
+    * ``timeout_s``: bound on every wait (connecting, each header, each release), default 300.
+    * ``checksum``: xxh3 per bucket. ``None`` (default) means on for ``"cpu"``, off for
+      ``"cuda"`` (the core verifies checksums in host memory only; see README).
+    * ``socket_dir``: where the private control directory is made (default: the system temp
+      directory); must be short enough for a Unix socket path.
+    """
+
     backend_name: ClassVar[str] = "cuda_ipc"
     capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
-        devices=("cuda", "cpu"), topologies=("broadcast",), placements=("colocated",)
+        devices=("cpu", "cuda"), topologies=("broadcast",), placements=("colocated",)
     )
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """``None`` on Linux: the ``device="cpu"`` mode runs on any Linux machine.
+
+        ``device="cuda"`` additionally needs a CUDA device and cupy; that is checked (with a
+        clear error) when such an engine is constructed.
+        """
+        if not sys.platform.startswith("linux"):
+            return f"needs Linux (memfd_create and descriptor passing); this is {sys.platform}"
+        return None
+
+    def __init__(
+        self,
+        *,
+        bucket_size: int,
+        device: str = "cpu",
+        timeout_s: float = 300.0,
+        checksum: bool | None = None,
+        socket_dir: str | None = None,
+    ) -> None:
+        owner = type(self).__name__
+        reason = self.unavailable_reason()
+        if reason:
+            raise BackendUnavailableError(f"the cuda_ipc backend cannot run here: {reason}")
+        self.device = _parse_device(owner, device)
+        if self.device.type == "cuda":
+            self._check_cuda(owner)
+        if checksum is None:
+            checksum = self.device.type == "cpu"
+        elif check_bool(owner, "checksum", checksum) and self.device.type == "cuda":
+            raise EngineOptionError(
+                f"{owner}: checksum=True needs host buffers, but device={device!r} keeps them on the "
+                "GPU (ckpt_core verifies checksums in host memory only); pass checksum=False or leave "
+                "it unset"
+            )
+        super().__init__(bucket_size=bucket_size, timeout_s=check_positive_number(owner, "timeout_s", timeout_s), checksum=checksum)
+        if socket_dir is None:
+            socket_dir = tempfile.gettempdir()
+        if not isinstance(socket_dir, str) or not socket_dir:
+            raise EngineOptionError(f"{owner}: socket_dir must be a directory path string, got {socket_dir!r}")
+        problem = check_socket_parent(socket_dir)
+        if problem:
+            raise EngineOptionError(f"{owner}: socket_dir {problem}")
+        self.socket_dir = socket_dir
+        self._listener: Listener | None = None
+
+    def _check_cuda(self, owner: str) -> None:
+        if not torch.cuda.is_available():
+            raise BackendUnavailableError(
+                f"{owner}: device={str(self.device)!r} needs a CUDA device, but none is visible "
+                "(torch.cuda.is_available() is False); use device='cpu' for shared host memory"
+            )
+        count = torch.cuda.device_count()
+        if self.device.index is not None and self.device.index >= count:
+            raise EngineOptionError(f"{owner}: device={str(self.device)!r}, but only {count} CUDA device(s) are visible")
+        import_cupy()
+
+    def _buffer_device(self) -> torch.device:
+        if self.device.type == "cuda" and self.device.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return self.device
+
+    # --- transport hooks ---------------------------------------------------------------
+
+    def _prepare_transport(self) -> dict[str, Any]:
+        sweep_stale(self.socket_dir)
+        self._listener = Listener(self.socket_dir)
+        return {
+            "socket": self._listener.path,
+            "node": _node_identity(),
+            "device": self.device.type,
+            "bucket_size": self.bucket_size,
+            "pid": os.getpid(),
+        }
+
+    def _check_peers(self, train_world_size: int, metadata: list[dict[str, Any]], *, moves_data: bool) -> None:
+        """Every worker must run the same mode and bucket size; rollouts on policy rank 0's node."""
+        owner = type(self).__name__
+        node = _node_identity()
+        for index, entry in enumerate(metadata):
+            who = f"policy rank {index}" if index < train_world_size else f"rollout rank {index - train_world_size}"
+            for key in ("socket", "node", "device", "bucket_size"):
+                if key not in entry:
+                    raise WireFormatError(f"{owner}: metadata[{index}] ({who}) has no {key!r}: is it a cuda_ipc prepare() result?")
+            if entry["device"] != self.device.type:
+                raise EngineOptionError(
+                    f"{owner}: {who} uses device kind {entry['device']!r}, this worker {self.device.type!r}: "
+                    "every worker of one engine must use the same device kind"
+                )
+            if entry["bucket_size"] != self.bucket_size:
+                raise EngineOptionError(
+                    f"{owner}: {who} uses bucket_size {entry['bucket_size']!r}, this worker {self.bucket_size}: "
+                    "pass the same bucket_size_bytes on every worker"
+                )
+            # Only policy rank 0 sends; other policy ranks may live anywhere.
+            if moves_data and entry["node"] != node and (index == 0 or index >= train_world_size):
+                raise BackendUnavailableError(
+                    f"{owner}: {who} runs on node {entry['node']!r}, this worker on {node!r}: cuda_ipc "
+                    "only connects processes on one node; use nccl or gloo_cpu across nodes"
+                )
+        if not isinstance(metadata[0]["socket"], str):
+            raise WireFormatError(f"{owner}: metadata[0] has no valid control socket path: {metadata[0]['socket']!r}")
+
+    def _close_listener(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    def _connect_policy(
+        self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> BucketSender | None:
+        self._check_peers(train_world_size, metadata, moves_data=worker_rank == 0)
+        if worker_rank != 0:
+            self._close_listener()
+            return None
+        assert self._listener is not None
+        device = self._buffer_device()
+        slots: HostSlots | CudaSlots
+        if device.type == "cpu":
+            slots = HostSlots.allocate(self.bucket_size, NUM_SLOTS)
+        else:
+            slots = CudaSlots.allocate(device, self.bucket_size, NUM_SLOTS)
+        channels: list[Channel] = []
+        try:
+            channels = _Handshake(self, slots, train_world_size, rollout_world_size, metadata).run()
+        except BaseException:
+            for channel in channels:
+                channel.close()
+            slots.close()
+            raise
+        finally:
+            self._close_listener()
+        if isinstance(slots, HostSlots):
+            slots.release_fd()
+        return IpcSender(slots, channels, wait_for_peers_on_close=isinstance(slots, CudaSlots))
+
+    def _connect_rollout(
+        self, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> BucketReceiver:
+        self._check_peers(train_world_size, metadata, moves_data=True)
+        self._close_listener()
+        deadline = Deadline(self.timeout_s)
+        channel = Channel(connect(metadata[0]["socket"], deadline, _ROLLOUT_PEER), _ROLLOUT_PEER)
+        try:
+            slots = self._join(channel, rollout_rank, train_world_size, metadata, deadline)
+        except BaseException:
+            channel.close()
+            raise
+        return IpcReceiver(slots, channel, self.timeout_s)
+
+    def _join(
+        self, channel: Channel, rollout_rank: int, train_world_size: int, metadata: list[dict[str, Any]], deadline: Deadline
+    ) -> HostSlots | CudaSlots:
+        hello = {
+            "type": "hello",
+            "rollout_rank": rollout_rank,
+            "engine_id": self._engine_id,
+            "policy_engine_id": metadata[0]["engine_id"],
+        }
+        channel.send_json(hello, deadline, "introducing this rollout")
+        kind, body, fds = channel.recv_with_fds(deadline, "waiting for the shared buffers", max_fds=1)
+        try:
+            if kind is not Kind.CONTROL:
+                raise WireFormatError(f"expected a welcome from {_ROLLOUT_PEER}, got a {kind.name} frame")
+            welcome = decode_json(body, _ROLLOUT_PEER)
+            if welcome["type"] == "reject":
+                raise AuthenticationError(f"{_ROLLOUT_PEER} refused this rollout: {welcome.get('reason')}")
+            buffers = welcome.get("buffers")
+            if welcome["type"] != "welcome" or not isinstance(buffers, dict):
+                raise WireFormatError(f"expected a welcome with buffers from {_ROLLOUT_PEER}, got {welcome!r:.300}")
+            if self.device.type == "cpu":
+                if len(fds) != 1:
+                    raise WireFormatError(f"{_ROLLOUT_PEER} sent {len(fds)} descriptors with its welcome, expected 1")
+                fd = fds.pop()
+                slots: HostSlots | CudaSlots = HostSlots.attach(fd, buffers, self.bucket_size, NUM_SLOTS)
+            else:
+                slots = CudaSlots.attach(buffers, self._buffer_device(), self.bucket_size, NUM_SLOTS)
+        except BaseException as exc:
+            for fd in fds:
+                os.close(fd)
+            try:
+                channel.send_json({"type": "error", "reason": f"{type(exc).__name__}: {exc}"}, deadline, "reporting a failure")
+            except TransferError:
+                pass
+            raise
+        try:
+            channel.send_json({"type": "ready"}, deadline, "confirming the mapping")
+        except BaseException:
+            slots.close()
+            raise
+        return slots
+
+    def _release_transport(self) -> None:
+        self._close_listener()
+
+    def _merge_device(self) -> torch.device | str | None:
+        return None  # the slots' device: rollouts get tensors where their buffers are
+
+
+class _Handshake:
+    """Policy rank 0 meets every rollout rank: accept, check, hand out buffers, wait until mapped."""
+
+    def __init__(
+        self,
+        engine: CudaIpcCheckpointEngine,
+        slots: HostSlots | CudaSlots,
+        train_world_size: int,
+        rollout_world_size: int,
+        metadata: list[dict[str, Any]],
+    ) -> None:
+        assert engine._listener is not None
+        self.listener = engine._listener
+        self.engine_id = engine._engine_id
+        self.slots = slots
+        self.train_world_size = train_world_size
+        self.rollout_world_size = rollout_world_size
+        self.metadata = metadata
+        self.deadline = Deadline(engine.timeout_s)
+        self.channels: dict[int, Channel] = {}
+
+    def run(self) -> list[Channel]:
+        try:
+            while len(self.channels) < self.rollout_world_size:
+                conn = self.listener.accept(self.deadline)
+                if conn is None:
+                    raise self._timeout("connect")
+                self._admit(conn)
+            description = self.slots.describe()
+            for rank, channel in sorted(self.channels.items()):
+                self._welcome(channel, description)
+            for rank, channel in sorted(self.channels.items()):
+                kind, body = channel.recv(self.deadline, "waiting for it to map the shared buffers")
+                message = decode_json(body, channel.peer) if kind is Kind.CONTROL else {"type": kind.name}
+                if message["type"] == "error":
+                    raise TransferError(f"{channel.peer} could not map the shared buffers: {message.get('reason')}")
+                if message["type"] != "ready":
+                    raise WireFormatError(f"expected 'ready' from {channel.peer}, got {message['type']!r}")
+        except BaseException:
+            for channel in self.channels.values():
+                channel.close()
+            raise
+        return [self.channels[rank] for rank in range(self.rollout_world_size)]
+
+    def _timeout(self, step: str) -> TransferTimeoutError:
+        missing = sorted(set(range(self.rollout_world_size)) - set(self.channels))
+        return TransferTimeoutError(
+            f"policy rank 0 waited timeout_s={self.deadline.timeout_s:g}s for rollout ranks {missing} to "
+            f"{step} to its control socket; have they called init_rollout_process_group with the same "
+            "metadata?"
+        )
+
+    def _admit(self, conn: socket.socket) -> None:
+        """Read one hello; keep the connection if it is an expected rollout, else refuse it."""
+        pid, uid, _ = peer_credentials(conn)
+        stranger = Channel(conn, f"a process (pid {pid}) connecting to the control socket")
+        if uid != os.getuid():
+            self._refuse(stranger, f"it runs as uid {uid}, the policy as uid {os.getuid()}")
+            return
+        try:
+            kind, body = stranger.recv(self.deadline, "waiting for its hello")
+            hello = decode_json(body, stranger.peer) if kind is Kind.CONTROL else {"type": kind.name}
+        except PeerLostError:  # it gave up before saying anything (a stale-directory probe, say)
+            stranger.close()
+            return
+        rank = hello.get("rollout_rank")
+        if hello.get("type") != "hello" or hello.get("policy_engine_id") != self.engine_id:
+            self._refuse(stranger, "it is not a rollout of this engine (wrong message or engine id)")
+            return
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.rollout_world_size:
+            self._refuse(stranger, f"rollout_rank {rank!r} is outside [0, {self.rollout_world_size})")
+            return
+        if hello.get("engine_id") != self.metadata[self.train_world_size + rank].get("engine_id"):
+            self._refuse(stranger, f"its engine id is not the one rollout rank {rank} gave in the metadata")
+            return
+        if rank in self.channels:
+            self._refuse(stranger, f"rollout rank {rank} is already connected")
+            return
+        self.channels[rank] = Channel(stranger.sock, f"rollout rank {rank} (pid {pid})")
+
+    def _refuse(self, channel: Channel, reason: str) -> None:
+        try:
+            channel.send_json({"type": "reject", "reason": reason}, self.deadline, "refusing it")
+        except TransferError:
+            pass
+        channel.close()
+
+    def _welcome(self, channel: Channel, description: dict[str, Any]) -> None:
+        message = {"type": "welcome", "buffers": description}
+        if isinstance(self.slots, HostSlots):
+            fd = self.slots.open_reader_fd()
+            try:
+                channel.send_json(message, self.deadline, "handing it the shared buffers", fds=[fd])
+            finally:
+                os.close(fd)
+        else:
+            channel.send_json(message, self.deadline, "handing it the shared buffers")
+

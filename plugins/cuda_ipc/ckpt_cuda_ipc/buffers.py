@@ -1,0 +1,255 @@
+"""The policy's slot buffers, and the rollouts' mappings of them.
+
+One allocation holds every slot (slot ``k`` starts at ``k * stride``), made once by policy
+rank 0 at init and mapped once by each rollout at init; refits only reuse it.
+
+* :class:`HostSlots` (``device="cpu"``): an anonymous ``memfd_create`` file, sized, fully
+  allocated and sealed against resizing, mapped shared. Rollouts receive a read-only
+  descriptor over the control socket (``SCM_RIGHTS``) and map it read-only. The file has no
+  name anywhere (nothing in ``/dev/shm``); the kernel frees it when the last process holding a
+  mapping or descriptor exits, however it exits.
+* :class:`CudaSlots` (``device="cuda"``): one ``cudaMalloc`` made through cupy, outside any
+  memory pool, whose IPC handle is exported once; rollouts open it once
+  (``cudaIpcOpenMemHandle``) and close it at finalize.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib
+import mmap
+import os
+import warnings
+from typing import Any
+
+import torch
+
+from ckpt_core.errors import BackendUnavailableError, WireFormatError
+
+PAGE = 4096
+IPC_HANDLE_BYTES = 64
+
+
+def slot_stride(bucket_size: int) -> int:
+    """Bytes between slot starts: the bucket size rounded up to a page."""
+    return -(-bucket_size // PAGE) * PAGE
+
+
+class HostSlots:
+    """Slot buffers in one anonymous shared-memory file (see the module docstring)."""
+
+    def __init__(self, mapping: mmap.mmap, fd: int | None, bucket_size: int, num_slots: int, writable: bool) -> None:
+        self._fd = fd  # kept by the policy only, to hand read-only copies to rollouts
+        self.bucket_size = bucket_size
+        self.num_slots = num_slots
+        self.stride = slot_stride(bucket_size)
+        with warnings.catch_warnings():
+            # A read-only mapping is only ever read (the merge copies out of it).
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            whole = torch.frombuffer(mapping, dtype=torch.uint8)
+        del mapping  # the tensor keeps the mapping alive; it is unmapped when the last view dies
+        self._views: list[torch.Tensor] = [
+            whole[k * self.stride : k * self.stride + bucket_size] for k in range(num_slots)
+        ]
+        self.writable = writable
+
+    @classmethod
+    def allocate(cls, bucket_size: int, num_slots: int) -> HostSlots:
+        """Create, size, allocate and seal the file, then map it (pages faulted in now, once)."""
+        size = slot_stride(bucket_size) * num_slots
+        fd = os.memfd_create("ckpt-cuda-ipc-slots", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                raise BackendUnavailableError(
+                    f"cannot reserve {size} bytes of shared memory for {num_slots} bucket slots "
+                    f"({exc}); lower bucket_size_bytes or free memory"
+                ) from exc
+            # No process holding the file may resize it under a mapping (that would SIGBUS us).
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(mapping, fd, bucket_size, num_slots, writable=True)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "memfd", "stride": self.stride, "size": self.stride * self.num_slots}
+
+    def open_reader_fd(self) -> int:
+        """A new read-only descriptor of the file, for one rollout; the caller closes it."""
+        if self._fd is None:
+            raise RuntimeError("only the allocating side can hand out descriptors")
+        return os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+    def release_fd(self) -> None:
+        """Drop the policy's own descriptor once every rollout has its copy (the mapping stays)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    @classmethod
+    def attach(cls, fd: int, description: dict[str, Any], bucket_size: int, num_slots: int) -> HostSlots:
+        """Map the policy's file read-only from ``fd`` (which this call closes)."""
+        try:
+            size = slot_stride(bucket_size) * num_slots
+            if description.get("kind") != "memfd" or description.get("size") != size:
+                raise WireFormatError(
+                    f"policy rank 0 describes its buffers as {description!r}, expected a memfd of "
+                    f"{size} bytes for {num_slots} slots of bucket_size={bucket_size}"
+                )
+            actual = os.fstat(fd).st_size
+            if actual != size:
+                raise WireFormatError(f"the shared-memory file passed by policy rank 0 has {actual} bytes, expected {size}")
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        return cls(mapping, None, bucket_size, num_slots, writable=False)
+
+    def view(self, slot: int) -> torch.Tensor:
+        return self._views[slot]
+
+    def publish(self) -> None:
+        """Writes to a shared mapping are visible to other processes as soon as they are done."""
+
+    def consumed(self) -> None:
+        """Reads by the CPU are done when the copying call returns."""
+
+    def close(self) -> None:
+        """Drop the mapping (unmapped when the last view of it dies) and any descriptor."""
+        self._views = []
+        self.release_fd()
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+class _DeviceArray:
+    """A raw device range described by ``__cuda_array_interface__``, for ``torch.as_tensor``."""
+
+    def __init__(self, pointer: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (pointer, False),
+            "version": 2,
+            "strides": None,
+        }
+
+
+def import_cupy() -> Any:
+    """cupy, whichever wheel provides it (cupy-cuda12x, cupy-cuda13x); ``BackendUnavailableError`` if none."""
+    try:
+        return importlib.import_module("cupy")
+    except Exception as exc:  # ImportError, or a wheel that does not match the driver
+        raise BackendUnavailableError(
+            f"device='cuda' needs cupy ({type(exc).__name__}: {exc}); install the build for your "
+            "CUDA: pip install 'ckpt-cuda-ipc[cuda12]' (cupy-cuda12x) or 'ckpt-cuda-ipc[cuda13]' "
+            "(cupy-cuda13x)"
+        ) from exc
+
+
+class CudaSlots:
+    """Slot buffers in one device allocation shared by CUDA IPC (see the module docstring)."""
+
+    def __init__(self, cupy: Any, pointer: int, owner: bool, device: torch.device, bucket_size: int, num_slots: int) -> None:
+        self._cupy = cupy
+        self._pointer = pointer
+        self._owner = owner
+        self.device = device
+        self.bucket_size = bucket_size
+        self.num_slots = num_slots
+        self.stride = slot_stride(bucket_size)
+        whole = torch.as_tensor(_DeviceArray(pointer, self.stride * num_slots), device=device)
+        self._views: list[torch.Tensor] = [
+            whole[k * self.stride : k * self.stride + bucket_size] for k in range(num_slots)
+        ]
+
+    @classmethod
+    def allocate(cls, device: torch.device, bucket_size: int, num_slots: int) -> CudaSlots:
+        cupy = import_cupy()
+        size = slot_stride(bucket_size) * num_slots
+        with cupy.cuda.Device(device.index):
+            pointer = int(cupy.cuda.runtime.malloc(size))
+            try:
+                cupy.cuda.runtime.memset(pointer, 0, size)
+                slots = cls(cupy, pointer, True, device, bucket_size, num_slots)
+            except BaseException:
+                cupy.cuda.runtime.free(pointer)
+                raise
+        return slots
+
+    def describe(self) -> dict[str, Any]:
+        """The IPC handle (exported once) and the device's identity, as JSON data."""
+        cupy = self._cupy
+        with cupy.cuda.Device(self.device.index):
+            handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(self._pointer))
+            pci_bus_id = cupy.cuda.runtime.deviceGetPCIBusId(self.device.index)
+        return {
+            "kind": "cuda_ipc",
+            "handle": handle.hex(),
+            "pci_bus_id": pci_bus_id,
+            "stride": self.stride,
+            "size": self.stride * self.num_slots,
+        }
+
+    @classmethod
+    def attach(cls, description: dict[str, Any], device: torch.device, bucket_size: int, num_slots: int) -> CudaSlots:
+        """Open the policy's IPC handle on ``device`` (the same GPU, or a peer-capable one)."""
+        size = slot_stride(bucket_size) * num_slots
+        handle_hex = description.get("handle")
+        if description.get("kind") != "cuda_ipc" or description.get("size") != size or not isinstance(handle_hex, str):
+            raise WireFormatError(
+                f"policy rank 0 describes its buffers as {description!r:.300}, expected a CUDA IPC "
+                f"handle for {size} bytes ({num_slots} slots of bucket_size={bucket_size})"
+            )
+        try:
+            handle = bytes.fromhex(handle_hex)
+        except ValueError:
+            raise WireFormatError("policy rank 0 sent a CUDA IPC handle that is not hex") from None
+        if len(handle) != IPC_HANDLE_BYTES:
+            raise WireFormatError(f"a CUDA IPC handle has {IPC_HANDLE_BYTES} bytes, got {len(handle)}")
+        cupy = import_cupy()
+        runtime = cupy.cuda.runtime
+        with cupy.cuda.Device(device.index):
+            try:
+                pointer = int(runtime.ipcOpenMemHandle(handle))  # flags default to lazy peer access
+            except Exception as exc:
+                mine = runtime.deviceGetPCIBusId(device.index)
+                raise BackendUnavailableError(
+                    f"cannot open policy rank 0's CUDA IPC handle on {device} (PCI {mine}; the policy's "
+                    f"buffers are on PCI {description.get('pci_bus_id')}): {exc}. The devices must be "
+                    "the same GPU or peer-capable, and the processes on the same node"
+                ) from exc
+            try:
+                return cls(cupy, pointer, False, device, bucket_size, num_slots)
+            except BaseException:
+                runtime.ipcCloseMemHandle(pointer)
+                raise
+
+    def view(self, slot: int) -> torch.Tensor:
+        return self._views[slot]
+
+    def publish(self) -> None:
+        """Wait for the packing copies, so the bytes are in memory before the header leaves."""
+        torch.cuda.synchronize(self.device)
+
+    def consumed(self) -> None:
+        """Wait for the merge's copies out of the slot, so the policy may overwrite it."""
+        torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        """Free the allocation (policy) or close the mapping (rollout). Idempotent."""
+        if not self._pointer:
+            return
+        self._views = []
+        pointer, self._pointer = self._pointer, 0
+        runtime = self._cupy.cuda.runtime
+        with self._cupy.cuda.Device(self.device.index):
+            torch.cuda.synchronize(self.device)
+            if self._owner:
+                runtime.free(pointer)
+            else:
+                runtime.ipcCloseMemHandle(pointer)
