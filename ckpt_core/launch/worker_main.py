@@ -2,13 +2,15 @@
 
 The first request must be ``{"method": "__init__", "kwargs": {"service": "module:Class", ...}}``;
 it builds the service object. Each later request calls one of its public methods. The process
-exits when its input closes (the coordinator is done with it, or went away).
+exits when its input closes (the coordinator is done with it, or went away), after giving the
+service's ``finalize()`` a few seconds to release what it holds.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import traceback
 from typing import Any
 
@@ -21,7 +23,8 @@ def _reply(out: Any, message: dict[str, Any]) -> None:
     out.flush()
 
 
-def serve(in_fd: int, out_fd: int) -> None:
+def serve(in_fd: int, out_fd: int) -> Any:
+    """Answer requests until the input closes; returns the service object (or None)."""
     service: Any = None
     with os.fdopen(in_fd, "rb") as requests, os.fdopen(out_fd, "wb") as out:
         for line in requests:
@@ -46,7 +49,23 @@ def serve(in_fd: int, out_fd: int) -> None:
                         "traceback": traceback.format_exc(),
                     },
                 )
+    return service
+
+
+def _finalize_briefly(service: Any, seconds: float = 5.0) -> None:
+    """Best-effort release on exit; a peer that is already gone must not keep us alive."""
+    finalize = getattr(service, "finalize", None)
+    if finalize is None:
+        return
+    worker = threading.Thread(target=finalize, daemon=True)
+    worker.start()
+    worker.join(seconds)
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]), int(sys.argv[2]))
+    served = serve(int(sys.argv[1]), int(sys.argv[2]))
+    _finalize_briefly(served)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: destructors of transport objects whose peers exited can block.
+    os._exit(0)

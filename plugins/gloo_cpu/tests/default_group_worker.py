@@ -1,0 +1,27 @@
+"""A RefitWorker whose process may own a default process group, as a trainer's would."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import torch.distributed as dist
+
+from ckpt_core.worker import RefitWorker
+
+
+class DefaultGroupWorker(RefitWorker):
+    def __init__(self, *, with_default_group: bool, **kwargs: Any) -> None:
+        if with_default_group:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+            self._world = dist.group.WORLD
+        super().__init__(**kwargs)
+
+    def default_group_state(self) -> dict[str, Any]:
+        if not dist.is_initialized():
+            return {"initialized": False}
+        assert dist.group.WORLD is self._world, "the default group object was replaced"
+        return {"initialized": True, "world_size": dist.get_world_size(), "backend": dist.get_backend()}
