@@ -16,10 +16,12 @@ rank 0 at init and mapped once by each rollout at init; refits only reuse it.
 from __future__ import annotations
 
 import fcntl
+import gc
 import importlib
 import mmap
 import os
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -47,7 +49,9 @@ class HostSlots:
             # A read-only mapping is only ever read (the merge copies out of it).
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             whole = torch.frombuffer(mapping, dtype=torch.uint8)
-        del mapping  # the tensor keeps the mapping alive; it is unmapped when the last view dies
+        # The views keep the mapping alive; it is unmapped when the last of them dies.
+        self._mapping = weakref.ref(mapping)
+        del mapping
         self._views: list[torch.Tensor] = [
             whole[k * self.stride : k * self.stride + bucket_size] for k in range(num_slots)
         ]
@@ -118,9 +122,16 @@ class HostSlots:
         """Reads by the CPU are done when the copying call returns."""
 
     def close(self) -> None:
-        """Drop the mapping (unmapped when the last view of it dies) and any descriptor."""
+        """Drop the mapping and any descriptor.
+
+        The mapping is unmapped when the last view of it dies, never under a live view (which
+        would crash whoever reads it). Views caught in reference cycles, such as the frames
+        of a failed refit's traceback, are collected here so the mapping goes now.
+        """
         self._views = []
         self.release_fd()
+        if self._mapping() is not None:
+            gc.collect()
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
