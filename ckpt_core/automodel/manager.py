@@ -45,8 +45,12 @@ from ckpt_core.automodel.layout import (
 )
 
 if TYPE_CHECKING:
+    from nemo_automodel.components._peft.lora import PeftConfig
+    from nemo_automodel.components.checkpoint.checkpointing import Checkpointer
+    from nemo_automodel.components.checkpoint.config import CheckpointingConfig as NemoCheckpointingConfig
     from torch.distributed.device_mesh import DeviceMesh
     from torch.optim.lr_scheduler import LRScheduler
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["AutomodelCheckpointManager"]
 
@@ -88,8 +92,11 @@ def _refuse_overwrite(directory: Path, what: str) -> None:
         )
 
 
-def _optimizer_dir_for_load(optimizer_path: str | os.PathLike[str]) -> tuple[str, Path]:
-    """``(path to pass to nemo_automodel, directory holding the DCP files)`` for an optimizer path."""
+def _optimizer_root_for_load(optimizer_path: str | os.PathLike[str]) -> str:
+    """The directory to hand to nemo_automodel (it reads ``<that>/optim``) for an optimizer path.
+
+    Accepts the ``optimizer_path`` given to ``save_checkpoint`` or its ``optim`` subdirectory.
+    """
     path = Path(os.path.normpath(os.fspath(optimizer_path)))
     if path.name == OPTIMIZER_SUBDIR and not (path / OPTIMIZER_SUBDIR).is_dir():
         path = path.parent
@@ -99,7 +106,7 @@ def _optimizer_dir_for_load(optimizer_path: str | os.PathLike[str]) -> tuple[str
             f"No optimizer checkpoint at {optim_dir} (expected {DCP_METADATA_FILE} and *.distcp files). "
             "Pass the optimizer_path that save_checkpoint was given."
         )
-    return os.fspath(path), optim_dir
+    return os.fspath(path)
 
 
 class AutomodelCheckpointManager:
@@ -145,8 +152,8 @@ class AutomodelCheckpointManager:
         self.dp_mesh = dp_mesh
         self.tp_mesh = tp_mesh
         self.moe_mesh = moe_mesh
-        self.checkpointer: Any = None
-        self.checkpoint_config: Any = None
+        self.checkpointer: Optional[Checkpointer] = None
+        self.checkpoint_config: Optional[NemoCheckpointingConfig] = None
         self.model_state_dict_keys: Optional[list[str]] = None
         if model_state_dict_keys is not None:
             self.set_model_state_dict_keys(model_state_dict_keys)
@@ -317,13 +324,14 @@ class AutomodelCheckpointManager:
             return os.fspath(value)
         return value
 
-    def _apply_peft_format_rule(self, config: Any) -> None:
+    @staticmethod
+    def _apply_peft_format_rule(config: NemoCheckpointingConfig) -> None:
         _, _, filesystem = nemo_checkpoint_modules()
         if config.is_peft and config.model_save_format == filesystem.SerializationFormat.TORCH_SAVE:
             logger.warning("PEFT adapters are always saved as safetensors; ignoring model_save_format='torch_save'.")
             config.model_save_format = filesystem.SerializationFormat.SAFETENSORS
 
-    def _require_checkpointer(self, action: str) -> Any:
+    def _require_checkpointer(self, action: str) -> Checkpointer:
         if self.checkpointer is None:
             raise CheckpointerNotInitializedError(
                 f"Cannot {action}: the checkpointer is not initialized. Call "
@@ -345,10 +353,11 @@ class AutomodelCheckpointManager:
 
         Initializes the model's weights (materializing meta-device parameters; LoRA
         adapters are initialized with ``peft_init_method`` when given), then loads the
-        Hugging Face weights into the (possibly parallelized) model. When
-        ``model_name`` is a local directory of safetensors whose names match the model
-        one to one (no key conversion declared), their names are checked against the
-        model's non-adapter keys first.
+        Hugging Face weights into the (possibly parallelized) model. A model with LoRA
+        adapters gets only its base weights from the checkpoint (the checkpointer is
+        switched to PEFT mode). When ``model_name`` is a local directory of safetensors
+        whose names match the model one to one (no key conversion declared), their
+        names are checked against the model's non-adapter keys first.
 
         Args:
             model: The model to load weights into.
@@ -363,7 +372,11 @@ class AutomodelCheckpointManager:
             CheckpointKeyMismatchError: A local checkpoint's names differ from the model's.
         """
         checkpointer = self._require_checkpointer("load the base model")
-        checkpointer.config.dequantize_base_checkpoint = dequantize_base_checkpoint
+        has_adapters = any(ADAPTER_KEY_MARKER in name for name, _ in model.named_parameters())
+        # With adapters present the base checkpoint must not be asked for adapter tensors.
+        self.update_checkpointer_config(
+            {"is_peft": has_adapters, "dequantize_base_checkpoint": dequantize_base_checkpoint}
+        )
         if os.path.isdir(model_name):
             self._validate_base_keys(model, model_name)
         device = _model_device(model)
@@ -379,7 +392,7 @@ class AutomodelCheckpointManager:
             return
         if not any(Path(model_dir).glob("*.safetensors")):
             return
-        keys = self.model_state_dict_keys or model_state_dict_keys(model)
+        keys = self.model_state_dict_keys if self.model_state_dict_keys is not None else model_state_dict_keys(model)
         expected = {k for k in expected_checkpoint_keys(keys, is_peft=False) if ADAPTER_KEY_MARKER not in k}
         validate_checkpoint_keys(model_dir, read_checkpoint_keys(model_dir), expected, model=model)
 
@@ -392,11 +405,11 @@ class AutomodelCheckpointManager:
         optimizer: Optional[torch.optim.Optimizer] = None,
         optimizer_path: Optional[str] = None,
         scheduler: Optional[LRScheduler] = None,
-        tokenizer: Optional[Any] = None,
+        tokenizer: Optional[PreTrainedTokenizerBase] = None,
         tokenizer_path: Optional[str] = None,
         checkpointing_cfg: Optional[CheckpointingConfig] = None,
         lora_enabled: bool = False,
-        peft_config: Optional[Any] = None,
+        peft_config: Optional[PeftConfig] = None,
     ) -> None:
         """Save a checkpoint of the model.
 
@@ -444,7 +457,7 @@ class AutomodelCheckpointManager:
         )
         beside = tokenizer if tokenizer_path is None else None
         checkpointer.save_model(model, os.fspath(model_dir.parent), peft_config=peft_config, tokenizer=beside)
-        if beside is not None and not self._checkpointer_saves_tokenizer():
+        if beside is not None and not self._checkpointer_saves_tokenizer(checkpointer.config):
             self._save_tokenizer(beside, model_dir)
         if save_optimizer:
             checkpointer.save_optimizer(optimizer, model, os.fspath(optimizer_path), scheduler=scheduler)
@@ -452,7 +465,7 @@ class AutomodelCheckpointManager:
             self._save_tokenizer(tokenizer, Path(os.fspath(tokenizer_path)))
 
     @staticmethod
-    def _peft_mode(cfg: CheckpointingConfig, lora_enabled: bool, peft_config: Any) -> bool:
+    def _peft_mode(cfg: CheckpointingConfig, lora_enabled: bool, peft_config: Optional[PeftConfig]) -> bool:
         is_peft = bool(lora_enabled) or cfg.is_peft
         if is_peft and peft_config is None:
             raise ValueError(
@@ -466,14 +479,14 @@ class AutomodelCheckpointManager:
             )
         return is_peft
 
-    def _checkpointer_saves_tokenizer(self) -> bool:
+    @staticmethod
+    def _checkpointer_saves_tokenizer(config: NemoCheckpointingConfig) -> bool:
         """Whether nemo_automodel's addons write the tokenizer themselves (safetensors or PEFT saves)."""
         _, _, filesystem = nemo_checkpoint_modules()
-        config = self.checkpointer.config
         return bool(config.is_peft or config.model_save_format == filesystem.SerializationFormat.SAFETENSORS)
 
     @staticmethod
-    def _save_tokenizer(tokenizer: Any, directory: Path) -> None:
+    def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:
         if _is_rank0():
             directory.mkdir(parents=True, exist_ok=True)
             tokenizer.save_pretrained(os.fspath(directory))
@@ -512,8 +525,8 @@ class AutomodelCheckpointManager:
         """
         fmt, is_peft = detect_checkpoint_format(os.fspath(weights_path))
         model_dir = model_dir_for_load(weights_path)
-        optimizer_source = (
-            _optimizer_dir_for_load(optimizer_path) if optimizer is not None and optimizer_path is not None else None
+        optimizer_root = (
+            _optimizer_root_for_load(optimizer_path) if optimizer is not None and optimizer_path is not None else None
         )
         keys = self.model_state_dict_keys if self.model_state_dict_keys is not None else model_state_dict_keys(model)
         validate_checkpoint_keys(
@@ -522,18 +535,20 @@ class AutomodelCheckpointManager:
             expected_checkpoint_keys(keys, is_peft=is_peft),
             model=model,
         )
-        self._configure_for_load(fmt, is_peft, weights_path)
-        self.checkpointer.load_model(model, os.fspath(model_dir))
-        if optimizer_source is not None:
-            self.checkpointer.load_optimizer(optimizer, model, optimizer_source[0], scheduler=scheduler)
+        checkpointer = self._configure_for_load(fmt, is_peft, weights_path)
+        checkpointer.load_model(model, os.fspath(model_dir))
+        if optimizer_root is not None:
+            checkpointer.load_optimizer(optimizer, model, optimizer_root, scheduler=scheduler)
         elif scheduler is not None:
-            logger.info("Scheduler state not loaded: it is stored with the optimizer; pass optimizer and optimizer_path.")
+            logger.info("Scheduler state not loaded: it lives with the optimizer; pass optimizer and optimizer_path.")
 
-    def _configure_for_load(self, fmt: str, is_peft: bool, weights_path: str) -> None:
+    def _configure_for_load(self, fmt: str, is_peft: bool, weights_path: str) -> Checkpointer:
+        """Create or update the checkpointer for the detected format; return it."""
         updates: dict[str, Any] = {"model_save_format": fmt, "is_peft": is_peft}
         root = _infer_checkpoint_root(weights_path)
         if self.checkpointer is None:
             self.init_checkpointer(config_updates={**updates, "save_consolidated": False}, checkpoint_root=root)
         else:
             self.update_checkpointer_config(config_updates=updates, checkpoint_root=root)
+        return self._require_checkpointer("load a checkpoint")
 

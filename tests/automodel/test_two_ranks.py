@@ -1,0 +1,89 @@
+"""Two Gloo ranks (FSDP2 over dp=2): on-disk layout of a sharded save, streaming, and loads.
+
+Each rank is its own interpreter running _two_rank_worker.py; results come back as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _automodel_helpers import require_nemo_automodel
+
+require_nemo_automodel()
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parents[1]
+TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("two-ranks")
+    port = _free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",  # two ranks share the CPU cores
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "_two_rank_worker.py"), str(rank), str(port), str(out)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        for rank in (0, 1)
+    ]
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=TIMEOUT_S)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for proc, log in zip(procs, logs):
+        assert proc.returncode == 0, log[-4000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_each_rank_has_its_dp_rank(results: list[dict]) -> None:
+    assert [r["dp_rank"] for r in results] == [0, 1]
+
+
+def test_sharded_layout_has_one_file_per_rank(results: list[dict]) -> None:
+    for r in results:
+        assert r["files-False"] == [
+            "model/shard-00001-model-00001-of-00001.safetensors",
+            "model/shard-00002-model-00001-of-00001.safetensors",
+        ]
+        assert r["files-True"] == [
+            "model/consolidated/model-00001-of-00001.safetensors",
+            *r["files-False"],
+        ]
+        assert r["format-True"] == r["format-False"] == ["safetensors", False]
+
+
+def test_streaming_uses_consolidated_output_and_refuses_rank_shards(results: list[dict]) -> None:
+    for r in results:
+        assert r["stream-True"] is True
+        assert r["stream-False"].startswith("refused: ") and "save_consolidated=True" in r["stream-False"]
+        assert [Path(p).parent.name for p in r["consolidated_files"]] == ["consolidated"]
+
+
+def test_every_rank_loads_bit_exact(results: list[dict]) -> None:
+    for r in results:
+        assert r["load-True"] is True and r["load-False"] is True
