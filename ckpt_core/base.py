@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 from collections.abc import AsyncGenerator, Generator
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch
 
 from .dtypes import check_transferable, dtype_from_name, dtype_name
 from .errors import ChunkStreamError, UnsupportedTensorError, WireFormatError
+from .host_memory import empty_host
 
 __all__ = [
     "CheckpointEngine",
@@ -71,11 +73,7 @@ class TensorMeta:
 
     @classmethod
     def from_dict(cls, data: Any) -> TensorMeta:
-        """Inverse of :meth:`to_dict`. Validates every field; raises ``WireFormatError``.
-
-        Data from a peer is untrusted: types, signs and the chunk's bounds inside the tensor
-        are checked before anything is built from it.
-        """
+        """Inverse of :meth:`to_dict`. Validates every field; raises ``WireFormatError``."""
         if not isinstance(data, dict):
             raise WireFormatError(f"tensor metadata must be a mapping, got {type(data).__name__}")
         expected = {"name", "shape", "dtype", "chunk_offset", "chunk_size", "offset"}
@@ -83,36 +81,46 @@ class TensorMeta:
             raise WireFormatError(
                 f"tensor metadata keys {sorted(data)} differ from the expected {sorted(expected)}"
             )
-        name = data["name"]
+        return cls.validated(
+            data["name"], data["shape"], data["dtype"], data["chunk_offset"], data["chunk_size"], data["offset"]
+        )
+
+    @classmethod
+    def validated(
+        cls, name: Any, shape: Any, dtype: Any, chunk_offset: Any, chunk_size: Any, offset: Any
+    ) -> TensorMeta:
+        """Build a ``TensorMeta`` from untrusted plain values (dtype as its name).
+
+        Types, signs, the tensor's size (at most ``MAX_TENSOR_BYTES``) and the chunk's bounds
+        inside the tensor are checked before anything is built; ``WireFormatError`` otherwise.
+        """
         if not isinstance(name, str):
             raise WireFormatError(f"tensor name must be a string, got {type(name).__name__}")
-        shape = data["shape"]
         if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
             raise WireFormatError(f"tensor {name!r}: shape must be a list of ints >= 0, got {shape!r}")
-        meta = cls(
-            name=name,
-            shape=torch.Size(shape),
-            dtype=dtype_from_name(data["dtype"]),
-            chunk_offset=_require_uint(name, "chunk_offset", data["chunk_offset"]),
-            chunk_size=_require_uint(name, "chunk_size", data["chunk_size"]),
-            offset=None if data["offset"] is None else _require_uint(name, "offset", data["offset"]),
-        )
-        if meta.chunk_offset + meta.chunk_size > meta.nbytes:
+        torch_dtype = dtype_from_name(dtype)
+        nbytes = math.prod(shape) * torch_dtype.itemsize
+        if nbytes > MAX_TENSOR_BYTES:
+            raise WireFormatError(f"tensor {name!r}: shape {shape} is {nbytes} bytes, over {MAX_TENSOR_BYTES}")
+        for field, value in (("chunk_offset", chunk_offset), ("chunk_size", chunk_size)):
+            if not _is_uint(value):
+                raise WireFormatError(f"tensor {name!r}: {field} must be an int >= 0, got {value!r}")
+        if offset is not None and not _is_uint(offset):
+            raise WireFormatError(f"tensor {name!r}: offset must be an int >= 0 or None, got {offset!r}")
+        if chunk_offset + chunk_size > nbytes:
             raise WireFormatError(
-                f"tensor {name!r}: chunk [{meta.chunk_offset}, {meta.chunk_offset + meta.chunk_size})"
-                f" lies outside the tensor's {meta.nbytes} bytes"
+                f"tensor {name!r}: chunk [{chunk_offset}, {chunk_offset + chunk_size}) lies outside "
+                f"the tensor's {nbytes} bytes"
             )
-        return meta
+        return cls(name, torch.Size(shape), torch_dtype, chunk_offset, chunk_size, offset)
+
+
+MAX_TENSOR_BYTES = 1 << 62
+"""Largest tensor a peer may announce; anything larger cannot exist and is refused unread."""
 
 
 def _is_uint(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _require_uint(name: str, field: str, value: Any) -> int:
-    if not _is_uint(value):
-        raise WireFormatError(f"tensor {name!r}: {field} must be an int >= 0, got {value!r}")
-    return int(value)
 
 
 class CheckpointEngine(abc.ABC):
@@ -199,10 +207,16 @@ def create_checkpoint_engine(
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat ``uint8`` view of a tensor's bytes in C order (copying only if non-contiguous)."""
-    tensor = tensor.detach()
+    tensor = tensor.detach().resolve_conj().resolve_neg()
     if not tensor.is_contiguous():
-        tensor = tensor.contiguous()
+        # Some dtypes (int1..int7, uint1..uint7) have no copy kernel; an integer view of the
+        # same element size has one, and copying it moves exactly the same bytes.
+        same_size = _INT_OF_SIZE.get(tensor.dtype.itemsize)
+        tensor = (tensor.view(same_size) if same_size is not None else tensor).contiguous()
     return tensor.reshape(-1).view(torch.uint8)
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def split_weight_chunks(
@@ -327,6 +341,8 @@ class _PartialTensor:
                 f"bytes [0, {meta.chunk_offset}) are missing or arrived out of order"
             )
         target = device if device is not None else chunk.device
+        if target.type == "cpu":
+            return cls(meta, empty_host(meta.shape, meta.dtype))
         return cls(meta, torch.empty(meta.shape, dtype=meta.dtype, device=target))
 
     @property

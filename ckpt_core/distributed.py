@@ -70,6 +70,8 @@ class _Link:
 
 
 class DistributedSender(BucketSender):
+    accepts_external_payload = True
+
     def __init__(self, link: _Link, bucket_size: int, device: torch.device) -> None:
         self.link = link
         self._buffers = [torch.empty(bucket_size, dtype=torch.uint8, device=device) for _ in range(self.num_slots)]
@@ -78,7 +80,9 @@ class DistributedSender(BucketSender):
     def buffer(self, slot: int) -> torch.Tensor:
         return self._buffers[slot]
 
-    def post(self, slot: int, header: bytes, nbytes: int, timeout_s: float) -> None:
+    def post(
+        self, slot: int, header: bytes, nbytes: int, timeout_s: float, payload: torch.Tensor | None = None
+    ) -> None:
         length = torch.tensor([len(header)], dtype=torch.int64)
         encoded = torch.frombuffer(bytearray(header), dtype=torch.uint8)
         link = self.link
@@ -87,7 +91,8 @@ class DistributedSender(BucketSender):
             (link.post(link.control, encoded, _HEADER_TAG), encoded),
         ]
         if nbytes:
-            works.append((link.post(link.data, self._buffers[slot][:nbytes], _PAYLOAD_TAG), None))
+            data = self._buffers[slot][:nbytes] if payload is None else payload
+            works.append((link.post(link.data, data, _PAYLOAD_TAG), data))
         self._in_flight[slot] = works
 
     def wait_slot(self, slot: int, timeout_s: float) -> None:

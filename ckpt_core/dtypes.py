@@ -28,9 +28,14 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    """The dtype called ``name`` in this torch build; ``WireFormatError`` if there is none."""
+    """The byte-movable dtype called ``name``; ``WireFormatError`` if there is none."""
     if not isinstance(name, str):
         raise WireFormatError(f"dtype must be a string, got {type(name).__name__}")
+    if name in _QUANTIZED:
+        raise WireFormatError(
+            f"dtype {name!r} is quantized; quantized tensors are never sent as bytes, so a peer "
+            "announcing one is malformed"
+        )
     try:
         return _dtypes_by_name()[name]
     except KeyError:

@@ -64,7 +64,7 @@ async def send_refit(
     stats = RefitStats()
     start = time.perf_counter()
     notifier.started(context)
-    packer = _BucketPacker(sender, context, notifier, stats, timeout_s, checksum)
+    packer = _BucketPacker(sender, bucket_size, context, notifier, stats, timeout_s, checksum)
     try:
         seen: set[str] = set()
         for meta, chunk in split_weight_chunks(weights, bucket_size):
@@ -95,6 +95,7 @@ class _BucketPacker:
     def __init__(
         self,
         sender: BucketSender,
+        bucket_size: int,
         context: RefitContext,
         notifier: RefitNotifier,
         stats: RefitStats,
@@ -102,6 +103,7 @@ class _BucketPacker:
         checksum: Checksum | None,
     ) -> None:
         self.sender = sender
+        self.bucket_size = bucket_size
         self.context = context
         self.notifier = notifier
         self.stats = stats
@@ -123,6 +125,12 @@ class _BucketPacker:
         assert meta.offset is not None
         if meta.offset < self.end:
             await self._post(last=False)
+        if self._fills_bucket_alone(meta, chunk):
+            self.chunks.append(meta)
+            self.end = meta.chunk_size
+            self.stats.payload_bytes += meta.chunk_size
+            await self._post(last=False, direct=chunk)
+            return
         if meta.chunk_size:
             with _timed(self.stats, "pack_seconds"):
                 self.buffer[meta.offset : meta.offset + meta.chunk_size].copy_(chunk)
@@ -130,14 +138,26 @@ class _BucketPacker:
         self.end = meta.offset + meta.chunk_size
         self.stats.payload_bytes += meta.chunk_size
 
+    def _fills_bucket_alone(self, meta: TensorMeta, chunk: torch.Tensor) -> bool:
+        """A chunk that leaves no room for another element in its bucket can be sent from
+        where it is, when the transport allows it, instead of being copied into a slot."""
+        return (
+            self.sender.accepts_external_payload
+            and meta.offset == 0
+            and self.end == 0
+            and self.bucket_size - meta.chunk_size < meta.dtype.itemsize
+            and chunk.device == self.buffer.device
+        )
+
     async def finish(self) -> None:
         await self._post(last=True)
         for slot in range(self.sender.num_slots):
             with _timed(self.stats, "transfer_seconds"):
                 self.sender.wait_slot(slot, self.timeout_s)
 
-    async def _post(self, *, last: bool) -> None:
-        payload = self.buffer[: self.end]
+    async def _post(self, *, last: bool, direct: torch.Tensor | None = None) -> None:
+        """Post the open bucket: the slot's bytes, or ``direct`` (a chunk sent from its source)."""
+        payload = self.buffer[: self.end] if direct is None else direct
         digest = None
         if self.checksum is not None:
             with _timed(self.stats, "checksum_seconds"):
@@ -152,7 +172,10 @@ class _BucketPacker:
         )
         slot = self.bucket_index % self.sender.num_slots
         with _timed(self.stats, "transfer_seconds"):
-            self.sender.post(slot, encode_header(header), self.end, self.timeout_s)
+            if direct is None:
+                self.sender.post(slot, encode_header(header), self.end, self.timeout_s)
+            else:
+                self.sender.post(slot, encode_header(header), self.end, self.timeout_s, payload=direct)
         self.notifier.bucket_sent(self.context, self.bucket_index, self.end, len(self.chunks))
         self.stats.buckets += 1
         self.bucket_index += 1

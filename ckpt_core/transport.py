@@ -22,15 +22,25 @@ class BucketSender(abc.ABC):
 
     num_slots: int = 2
 
+    accepts_external_payload: bool = False
+    """Whether ``post`` may be given a ``payload`` outside the slot buffers. Transports that
+    can send from any memory (sockets, Gloo, NCCL) set it, and the pipeline then sends a chunk
+    that fills a whole bucket straight from the source tensor, skipping the packing copy."""
+
     @abc.abstractmethod
     def buffer(self, slot: int) -> torch.Tensor:
         """The 1-D ``uint8`` buffer of ``slot``, packed by the pipeline."""
 
     @abc.abstractmethod
-    def post(self, slot: int, header: bytes, nbytes: int, timeout_s: float) -> None:
+    def post(
+        self, slot: int, header: bytes, nbytes: int, timeout_s: float, payload: torch.Tensor | None = None
+    ) -> None:
         """Start moving ``header`` and ``buffer(slot)[:nbytes]``; may return before they arrive.
 
-        Headers reach each receiver in the order they were posted.
+        Headers reach each receiver in the order they were posted. When ``payload`` is given
+        (only if ``accepts_external_payload``), it is a contiguous ``uint8`` tensor of
+        ``nbytes`` on the buffers' device to send instead of the slot's bytes; the transport
+        keeps a reference to it until ``wait_slot(slot)`` returns.
         """
 
     @abc.abstractmethod

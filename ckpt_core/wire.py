@@ -12,10 +12,8 @@ import dataclasses
 import json
 from typing import Any
 
-import torch
-
 from .base import TensorMeta
-from .dtypes import dtype_from_name, dtype_name
+from .dtypes import dtype_name
 from .errors import WireFormatError
 
 FORMAT_VERSION = 1
@@ -109,29 +107,11 @@ def _decode_chunks(doc: dict[str, Any], payload_nbytes: int) -> tuple[TensorMeta
     if any(len(col) != count for col in columns):
         raise WireFormatError("bucket header chunk columns have different lengths")
     chunks = []
-    dtypes: dict[str, torch.dtype] = {}
     for name, shape, dtype, chunk_offset, chunk_size, offset in zip(*columns):
-        if not isinstance(name, str):
-            raise WireFormatError(f"chunk name must be a string, got {name!r}")
-        if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
-            raise WireFormatError(f"tensor {name!r}: shape must be a list of ints >= 0, got {shape!r}")
-        if not (_is_uint(chunk_offset) and _is_uint(chunk_size) and _is_uint(offset)):
+        meta = TensorMeta.validated(name, shape, dtype, chunk_offset, chunk_size, offset)
+        if offset is None or offset + chunk_size > payload_nbytes:
             raise WireFormatError(
-                f"tensor {name!r}: chunk_offset, chunk_size and offset must be ints >= 0, got "
-                f"{chunk_offset!r}, {chunk_size!r}, {offset!r}"
-            )
-        if not isinstance(dtype, str):
-            raise WireFormatError(f"tensor {name!r}: dtype must be a string, got {dtype!r}")
-        torch_dtype = dtypes.get(dtype) or dtypes.setdefault(dtype, dtype_from_name(dtype))
-        meta = TensorMeta(name, torch.Size(shape), torch_dtype, chunk_offset, chunk_size, offset)
-        if chunk_offset + chunk_size > meta.nbytes:
-            raise WireFormatError(
-                f"tensor {name!r}: chunk [{chunk_offset}, {chunk_offset + chunk_size}) lies outside "
-                f"the tensor's {meta.nbytes} bytes"
-            )
-        if offset + chunk_size > payload_nbytes:
-            raise WireFormatError(
-                f"tensor {name!r}: chunk at bucket bytes [{offset}, {offset + chunk_size}) lies "
+                f"tensor {name!r}: chunk at bucket offset {offset!r} (size {chunk_size}) lies "
                 f"outside the {payload_nbytes}-byte payload"
             )
         chunks.append(meta)
