@@ -13,62 +13,25 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ckpt_core.coordinator import CallResult, RefitCoordinator, RefitFailedError
+from ckpt_core.coordinator import RefitCoordinator, RefitFailedError
 from ckpt_core.launch.local import LocalProcessPool
 from ckpt_core.worker import refit_worker_specs
+from cuda_ipc_helpers import coordinator_for, descriptors, slot_mappings, transport_descriptors
 
 BUCKET = 8192
 WEIGHTS = "ckpt_core.testing.weights:"
-SLOT_FILE = "memfd:ckpt-cuda-ipc-slots"
 CALL_TIMEOUT_S = 60.0
 # Names that this plugin, Python's multiprocessing or torch would give a /dev/shm segment. Other
 # engineers' tests run beside these and may create their own names meanwhile; what our workers
 # map is checked exactly, through /proc (see slot_mappings).
 SHM_PREFIXES = ("ckpt-cuda-ipc", "cuda_ipc", "psm_", "torch_", "sem.")
-
-
-def descriptors(pid: int) -> list[str]:
-    """What each open descriptor of process ``pid`` refers to."""
-    targets = []
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
-        except FileNotFoundError:
-            pass
-    return targets
-
-
-def slot_mappings(pid: int) -> list[str]:
-    with open(f"/proc/{pid}/maps") as maps:
-        return [line for line in maps if SLOT_FILE in line or "/dev/shm/" in line]
-
-
-def transport_descriptors(pid: int) -> list[str]:
-    """Sockets and memfds: a worker holds none of either outside an initialized engine (the
-    local launcher talks to it over pipes)."""
-    return [t for t in descriptors(pid) if t.startswith("socket:") or t.startswith("/memfd:")]
-
-
-class Subset:
-    """Some workers of a pool, in a given order, as a ``WorkerPool`` of their own: one set of
-    processes serves 1->1, 1->2 and 2->2 coordinators (worker start-up dominates test time)."""
-
-    def __init__(self, pool: LocalProcessPool, indices: list[int]) -> None:
-        self.pool = pool
-        self.indices = indices
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def call(self, calls: Sequence[tuple[int, str, dict[str, Any]]], timeout_s: float) -> list[CallResult]:
-        return self.pool.call([(self.indices[i], method, kwargs) for i, method, kwargs in calls], timeout_s)
 
 
 class Workers:
@@ -82,8 +45,7 @@ class Workers:
         self.baseline = {i: len(descriptors(pool.pid(i))) for i in range(len(pool))}
 
     def coordinator(self, policy: list[int], rollout: list[int]) -> RefitCoordinator:
-        subset = Subset(self.pool, policy + rollout)
-        return RefitCoordinator(subset, num_policy=len(policy), num_rollout=len(rollout), timeout_s=CALL_TIMEOUT_S)
+        return coordinator_for(self.pool, policy, rollout, CALL_TIMEOUT_S)
 
     def pid(self, index: int) -> int:
         return self.pool.pid(index)
