@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from .auth import answer_challenge, host_challenge, resolve_token, verify_members
 from .engine import BucketedEngine, check_choice
 from .errors import EngineOptionError, PeerLostError, TransferTimeoutError, WireFormatError
 from .transport import BucketReceiver, BucketSender
@@ -144,7 +145,9 @@ class DistributedEngine(BucketedEngine):
 
     Options (besides ``bucket_size``, ``timeout_s``, ``checksum``): ``topology``
     (``"broadcast"`` or ``"paired"``), ``host`` (the address this worker binds and advertises;
-    default ``127.0.0.1``, set it to the node's address for multi-node runs).
+    default ``127.0.0.1``, set it to the node's address for multi-node runs), ``auth_token``
+    (a shared secret checked at rendezvous, see :mod:`ckpt_core.auth`; default: the
+    ``CKPT_CORE_AUTH_TOKEN`` environment variable, else none).
     """
 
     device_type: ClassVar[str] = "cpu"
@@ -157,9 +160,13 @@ class DistributedEngine(BucketedEngine):
         host: str = "127.0.0.1",
         timeout_s: float = 300.0,
         checksum: bool = True,
+        auth_token: str | None = None,
     ) -> None:
         super().__init__(bucket_size=bucket_size, timeout_s=timeout_s, checksum=checksum)
         owner = type(self).__name__
+        if auth_token is not None and (not isinstance(auth_token, str) or not auth_token):
+            raise EngineOptionError(f"{owner}: auth_token must be a non-empty string or None")
+        self._auth_token = resolve_token(auth_token)
         self.topology = check_choice(owner, "topology", topology, TOPOLOGIES)
         if not isinstance(host, str) or not host:
             raise EngineOptionError(f"{owner}: host must be a non-empty address string, got {host!r}")
@@ -209,7 +216,10 @@ class DistributedEngine(BucketedEngine):
         )
         return {"host": self.host, "port": port}
 
-    def _connect_store(self, metadata: list[dict[str, Any]], is_master: bool) -> Any:
+    def _connect_store(self, metadata: list[dict[str, Any]], identity: str, members: list[str]) -> Any:
+        """Join policy rank 0's store (hosting it if this is policy rank 0) and pass the token
+        challenge; returns the store under this rendezvous' prefix."""
+        is_master = identity == "policy rank 0"
         if not is_master:
             self._close_store()
             first = metadata[0]
@@ -223,7 +233,16 @@ class DistributedEngine(BucketedEngine):
                     f"cannot reach policy rank 0's rendezvous store at {host}:{port} within "
                     f"{self.timeout_s:g}s: {exc}"
                 ) from exc
-        return dist.PrefixStore(f"ckpt_core/{metadata[0]['engine_id']}/", self._store)
+        store = dist.PrefixStore(f"ckpt_core/{metadata[0]['engine_id']}/", self._store)
+        try:
+            if is_master:
+                host_challenge(store, self._auth_token)
+                verify_members(store, self._auth_token, [m for m in members if m != identity])
+            else:
+                answer_challenge(store, self._auth_token, identity, "policy rank 0")
+        except (RuntimeError, dist.DistError) as exc:
+            raise PeerLostError(f"rendezvous as {identity} did not complete within {self.timeout_s:g}s: {exc}") from exc
+        return store
 
     def _make_link(self, store: Any, name: str, rank: int, size: int, peer: str) -> _Link:
         prefixed = dist.PrefixStore(f"{name}/", store)
@@ -253,7 +272,8 @@ class DistributedEngine(BucketedEngine):
         self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
     ) -> BucketSender | None:
         self._check_topology(train_world_size, rollout_world_size)
-        store = self._connect_store(metadata, is_master=worker_rank == 0)
+        members = _identities(train_world_size, rollout_world_size)
+        store = self._connect_store(metadata, f"policy rank {worker_rank}", members)
         if self.topology == "broadcast":
             if worker_rank != 0:
                 return None
@@ -269,7 +289,8 @@ class DistributedEngine(BucketedEngine):
         self, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
     ) -> BucketReceiver:
         self._check_topology(train_world_size, rollout_world_size)
-        store = self._connect_store(metadata, is_master=False)
+        members = _identities(train_world_size, rollout_world_size)
+        store = self._connect_store(metadata, f"rollout rank {rollout_rank}", members)
         if self.topology == "broadcast":
             link = self._make_link(store, "broadcast", rollout_rank + 1, rollout_world_size + 1, "policy rank 0")
         else:
@@ -287,6 +308,12 @@ class DistributedEngine(BucketedEngine):
 
     def _close_store(self) -> None:
         self._store = None
+
+
+def _identities(train_world_size: int, rollout_world_size: int) -> list[str]:
+    return [f"policy rank {r}" for r in range(train_world_size)] + [
+        f"rollout rank {r}" for r in range(rollout_world_size)
+    ]
 
 
 def _family(host: str) -> socket.AddressFamily:
