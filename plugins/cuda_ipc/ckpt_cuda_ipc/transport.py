@@ -54,6 +54,8 @@ class IpcSender(BucketSender):
     IPC requires of the exporting process.
     """
 
+    accepts_external_payload = False
+
     def __init__(self, slots: Slots, channels: list[Channel], *, wait_for_peers_on_close: bool) -> None:
         self.slots = slots
         self.channels = channels
@@ -64,7 +66,11 @@ class IpcSender(BucketSender):
     def buffer(self, slot: int) -> torch.Tensor:
         return self.slots.view(slot)
 
-    def post(self, slot: int, header: bytes, nbytes: int, timeout_s: float) -> None:
+    def post(
+        self, slot: int, header: bytes, nbytes: int, timeout_s: float, payload: torch.Tensor | None = None
+    ) -> None:
+        if payload is not None:  # receivers read the mapped slot, so the bytes must be there
+            raise TransferError("cuda_ipc sends only from its slots (accepts_external_payload is False)")
         if self._pending[slot]:
             raise TransferError(f"slot {slot} was posted while rollout ranks {sorted(self._pending[slot])} still read it")
         self.slots.publish()
