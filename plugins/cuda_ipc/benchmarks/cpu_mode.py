@@ -3,7 +3,8 @@
     python plugins/cuda_ipc/benchmarks/cpu_mode.py [--size 1GiB] [--bucket 64MiB] [--refits 3]
 
 Each refit moves a transformer-shaped state dict from one policy process to one and to two
-rollout processes (every tensor checked bit-exact by digest), after one warm-up refit. The
+rollout processes (every tensor checked bit-exact by digest), after one warm-up refit, with
+checksums on (each backend's default) and off. The
 memcpy line is one thread copying the same number of bytes into warm (already faulted) memory.
 Only ratios within one run mean anything on a shared machine.
 """
@@ -53,7 +54,14 @@ def main() -> None:
 
     rows: dict[str, object] = {"size_bytes": size, "bucket_size": bucket}
     rows["memcpy_gbps"] = memcpy_gbps(size, 5)
-    for backend, options in (("cuda_ipc", {"device": "cpu"}), ("gloo_cpu", {})):
+    variants = (
+        ("cuda_ipc", {"device": "cpu"}),
+        ("cuda_ipc_nochecksum", {"device": "cpu", "checksum": False}),
+        ("gloo_cpu", {}),
+        ("gloo_cpu_nochecksum", {"checksum": False}),
+    )
+    for label, options in variants:
+        backend = label.split("_nochecksum")[0]
         for rollouts in (1, 2):
             config = BenchConfig(
                 backend=backend,
@@ -66,7 +74,7 @@ def main() -> None:
                 baseline=False,
             )
             result = run_bench(config)
-            rows[f"{backend}_1to{rollouts}"] = {
+            rows[f"{label}_1to{rollouts}"] = {
                 "gbps": result["gbps"],
                 "policy": {k: result["policy"][0][k] for k in ("seconds", "pack_seconds", "transfer_seconds", "checksum_seconds")},
                 "rollout": [
@@ -74,14 +82,18 @@ def main() -> None:
                     for r in result["rollout"]
                 ],
             }
-            print(f"{backend} 1->{rollouts}: {result['gbps']:.2f} GB/s", flush=True)
+            print(f"{label} 1->{rollouts}: {result['gbps']:.2f} GB/s", flush=True)
     rows["memcpy_gbps_after"] = memcpy_gbps(size, 5)
     print(f"memcpy (1 thread, warm): {rows['memcpy_gbps']:.2f} GB/s before, {rows['memcpy_gbps_after']:.2f} after")
-    for rollouts in (1, 2):
-        ipc = rows[f"cuda_ipc_1to{rollouts}"]["gbps"]  # type: ignore[index]
-        gloo = rows[f"gloo_cpu_1to{rollouts}"]["gbps"]  # type: ignore[index]
-        memcpy = statistics.mean([rows["memcpy_gbps"], rows["memcpy_gbps_after"]])  # type: ignore[list-item]
-        print(f"1->{rollouts}: cuda_ipc / gloo_cpu = {ipc / gloo:.2f}x, cuda_ipc / memcpy = {ipc / memcpy:.2f}x")
+    memcpy = statistics.mean([rows["memcpy_gbps"], rows["memcpy_gbps_after"]])  # type: ignore[list-item]
+    for suffix in ("", "_nochecksum"):
+        for rollouts in (1, 2):
+            ipc = rows[f"cuda_ipc{suffix}_1to{rollouts}"]["gbps"]  # type: ignore[index]
+            gloo = rows[f"gloo_cpu{suffix}_1to{rollouts}"]["gbps"]  # type: ignore[index]
+            print(
+                f"1->{rollouts}{suffix or ' (checksums on)'}: cuda_ipc / gloo_cpu = {ipc / gloo:.2f}x, "
+                f"cuda_ipc / memcpy = {ipc / memcpy:.2f}x"
+            )
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(rows, f, indent=2)

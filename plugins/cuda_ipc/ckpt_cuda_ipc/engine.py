@@ -26,11 +26,12 @@ from typing import Any, ClassVar
 import torch
 
 from ckpt_core.capabilities import BackendCapabilities
-from ckpt_core.engine import BucketedEngine, check_bool, check_positive_number
+from ckpt_core.engine import BucketedEngine, check_bool
 from ckpt_core.errors import (
     AuthenticationError,
     BackendUnavailableError,
     EngineOptionError,
+    LifecycleError,
     PeerLostError,
     TransferError,
     TransferTimeoutError,
@@ -136,7 +137,7 @@ class CudaIpcCheckpointEngine(BucketedEngine):
                 "GPU (ckpt_core verifies checksums in host memory only); pass checksum=False or leave "
                 "it unset"
             )
-        super().__init__(bucket_size=bucket_size, timeout_s=check_positive_number(owner, "timeout_s", timeout_s), checksum=checksum)
+        super().__init__(bucket_size=bucket_size, timeout_s=timeout_s, checksum=checksum)
         if socket_dir is None:
             socket_dir = tempfile.gettempdir()
         if not isinstance(socket_dir, str) or not socket_dir:
@@ -216,7 +217,11 @@ class CudaIpcCheckpointEngine(BucketedEngine):
         if worker_rank != 0:
             self._close_listener()
             return None
-        assert self._listener is not None
+        if self._listener is None:
+            raise LifecycleError(
+                f"{type(self).__name__}: a failed init closed this worker's control socket; call "
+                "finalize(), then prepare() and init again on every worker"
+            )
         device = self._buffer_device()
         slots: HostSlots | CudaSlots
         if device.type == "cpu":

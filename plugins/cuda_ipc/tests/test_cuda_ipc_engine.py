@@ -250,6 +250,19 @@ def test_rejected_rollout_gets_a_clear_error(sockets: str) -> None:
     rollout.finalize()
 
 
+def test_failed_init_must_start_over(sockets: str) -> None:
+    policy, rollout = make(socket_dir=sockets, timeout_s=0.3), make(socket_dir=sockets)
+    metadata = [policy.prepare(), rollout.prepare()]
+    init = dict(worker_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata)
+    with pytest.raises(TransferTimeoutError, match=r"rollout ranks \[0\] to connect"):
+        policy.init_policy_process_group(**init)
+    with pytest.raises(LifecycleError, match="finalize"):
+        policy.init_policy_process_group(**init)
+    policy.finalize()
+    rollout.finalize()
+    assert os.listdir(sockets) == []
+
+
 def test_rollout_of_a_finalized_policy_fails_at_once(sockets: str) -> None:
     policy, rollout = make(socket_dir=sockets), make(socket_dir=sockets)
     metadata = [policy.prepare(), rollout.prepare()]
