@@ -1,0 +1,260 @@
+"""An in-process transport for tests: the shared bucket pipeline over two shared buffers.
+
+One sender and one receiver in the same process share ``num_slots`` slot buffers, the way a
+shared-memory transport would: the sender packs a slot and posts its header on a queue, the
+receiver reads the payload straight from the same slot, and the sender may not repack a slot
+until the receiver has released it. A pipeline that read a slot after releasing it, or packed
+one still in use, would corrupt tensors, which the tests' bit-exact checks would catch.
+
+Every wait has a deadline (``TransferTimeoutError``); closing either side wakes the other
+with ``PeerLostError``. ``MemoryLink.corrupt`` flips payload bytes as they "arrive", to test
+integrity checks.
+
+``MemoryEngine`` wraps it as a ``BucketedEngine`` (one policy rank, one rollout rank), so the
+seed lifecycle, hooks and statistics run for real. It is importable as
+``helpers.memory_transport:MemoryEngine`` with ``tests/`` on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import torch
+
+from ckpt_core.capabilities import BackendCapabilities
+from ckpt_core.engine import BucketedEngine
+from ckpt_core.errors import PeerLostError, TransferTimeoutError
+from ckpt_core.transport import BucketReceiver, BucketSender
+
+
+class MemoryLink:
+    """What one sender and its receiver share."""
+
+    def __init__(self, bucket_size: int, num_slots: int = 2) -> None:
+        self.buffers = [torch.empty(bucket_size, dtype=torch.uint8) for _ in range(num_slots)]
+        self.corrupt: dict[int, int] = {}
+        """Bucket index -> payload byte the receiver finds flipped."""
+        self.posted: list[tuple[int, int]] = []
+        """(slot, nbytes) of every post, in order."""
+        self._headers: queue.Queue[tuple[bytes, int, int] | None] = queue.Queue()
+        self._busy = [False] * num_slots
+        self._closed_by: str | None = None
+        self._cond = threading.Condition()
+
+    def post(self, slot: int, header: bytes, nbytes: int) -> None:
+        with self._cond:
+            if self._closed_by is not None:
+                raise PeerLostError(f"the {self._closed_by} closed the link")
+            if self._busy[slot]:
+                raise AssertionError(f"slot {slot} posted while the receiver still holds it")
+            self._busy[slot] = True
+            self.posted.append((slot, nbytes))
+        self._headers.put((bytes(header), slot, nbytes))
+
+    def wait_free(self, slot: int, timeout_s: float) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._busy[slot] or self._closed_by is not None, timeout_s)
+            if not self._busy[slot]:
+                return
+            if self._closed_by is not None:
+                raise PeerLostError(f"the {self._closed_by} closed the link while slot {slot} was in use")
+        raise TransferTimeoutError(f"slot {slot} was not released within {timeout_s:g}s")
+
+    def next_header(self, timeout_s: float) -> tuple[bytes, int, int]:
+        try:
+            item = self._headers.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TransferTimeoutError(f"no bucket header within {timeout_s:g}s") from None
+        if item is None:
+            raise PeerLostError(f"the {self._closed_by} closed the link")
+        return item
+
+    def release(self, slot: int) -> None:
+        with self._cond:
+            self._busy[slot] = False
+            self._cond.notify_all()
+
+    def close(self, side: str) -> None:
+        with self._cond:
+            if self._closed_by is None:
+                self._closed_by = side
+            self._cond.notify_all()
+        self._headers.put(None)
+
+
+class MemorySender(BucketSender):
+    """``external_payload=True`` lets the pipeline hand over a chunk that fills a bucket alone
+    instead of packing it; its bytes are then copied into the (already acquired) shared slot,
+    as if they had been sent from where they are."""
+
+    def __init__(self, link: MemoryLink, *, external_payload: bool = False) -> None:
+        self.link = link
+        self.num_slots = len(link.buffers)
+        self.accepts_external_payload = external_payload
+        self.external_posts = 0
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        return self.link.buffers[slot]
+
+    def post(
+        self, slot: int, header: bytes, nbytes: int, timeout_s: float, payload: torch.Tensor | None = None
+    ) -> None:
+        if payload is not None:
+            if not self.accepts_external_payload:
+                raise AssertionError("the pipeline passed an external payload to a sender that does not accept one")
+            if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() != nbytes:
+                raise AssertionError(f"external payload must be 1-D uint8 of {nbytes} bytes, got {payload.shape}")
+            self.link.buffers[slot][:nbytes].copy_(payload)
+            self.external_posts += 1
+        self.link.post(slot, header, nbytes)
+
+    def wait_slot(self, slot: int, timeout_s: float) -> None:
+        self.link.wait_free(slot, timeout_s)
+
+    def close(self) -> None:
+        self.link.close("sender")
+
+
+class MemoryReceiver(BucketReceiver):
+    def __init__(self, link: MemoryLink) -> None:
+        self.link = link
+        self.num_slots = len(link.buffers)
+        self._announced: tuple[int, int] | None = None  # (slot, nbytes) of the last header
+        self._buckets = 0
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        return self.link.buffers[slot]
+
+    def recv_header(self, timeout_s: float) -> bytes:
+        header, slot, nbytes = self.link.next_header(timeout_s)
+        self._announced = (slot, nbytes)
+        return header
+
+    def post_payload(self, slot: int, nbytes: int, timeout_s: float) -> None:
+        # The transport contract: bucket k uses slot k % num_slots on both sides.
+        if (slot, nbytes) != self._announced:
+            raise AssertionError(f"receiver posted slot {slot} ({nbytes} B), sender sent {self._announced}")
+
+    def wait_payload(self, slot: int, timeout_s: float) -> None:
+        flip = self.link.corrupt.get(self._buckets)
+        if flip is not None:
+            self.link.buffers[slot][flip] ^= 0xFF
+        self._buckets += 1
+
+    def release(self, slot: int) -> None:
+        self.link.release(slot)
+
+    def close(self) -> None:
+        self.link.close("receiver")
+
+
+_LINKS: dict[str, MemoryLink] = {}
+_LINKS_LOCK = threading.Lock()
+
+
+class MemoryEngine(BucketedEngine):
+    """A ``BucketedEngine`` over :class:`MemoryLink`: one policy and one rollout rank, one process."""
+
+    backend_name: ClassVar[str] = "memory"
+    capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
+        devices=("cpu",), topologies=("paired",), placements=("colocated",)
+    )
+
+    def __init__(
+        self, *, bucket_size: int, timeout_s: float = 20.0, checksum: bool = True, external_payload: bool = False
+    ) -> None:
+        super().__init__(bucket_size=bucket_size, timeout_s=timeout_s, checksum=checksum)
+        self.external_payload = external_payload
+        self.link: MemoryLink | None = None
+        self.sender: MemorySender | None = None
+        self._key = ""
+
+    def _join(self, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]) -> MemoryLink:
+        if (train_world_size, rollout_world_size) != (1, 1):
+            raise ValueError("MemoryEngine connects exactly one policy rank to one rollout rank")
+        self._key = metadata[0]["engine_id"]
+        with _LINKS_LOCK:
+            self.link = _LINKS.setdefault(self._key, MemoryLink(self.bucket_size))
+        return self.link
+
+    def _connect_policy(
+        self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> BucketSender:
+        link = self._join(train_world_size, rollout_world_size, metadata)
+        self.sender = MemorySender(link, external_payload=self.external_payload)
+        return self.sender
+
+    def _connect_rollout(
+        self, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> BucketReceiver:
+        return MemoryReceiver(self._join(train_world_size, rollout_world_size, metadata))
+
+    def _release_transport(self) -> None:
+        with _LINKS_LOCK:
+            _LINKS.pop(self._key, None)
+
+
+def connected_pair(bucket_size: int, **options: Any) -> tuple[MemoryEngine, MemoryEngine]:
+    """A policy engine and a rollout engine, through ``prepare`` and ``init_*`` as the seed says."""
+    policy = MemoryEngine(bucket_size=bucket_size, **options)
+    rollout = MemoryEngine(bucket_size=bucket_size, **options)
+    metadata = [policy.prepare(), rollout.prepare()]
+    sizes = {"train_world_size": 1, "rollout_world_size": 1, "metadata": metadata}
+    policy.init_policy_process_group(worker_rank=0, **sizes)
+    rollout.init_rollout_process_group(rollout_rank=0, **sizes)
+    return policy, rollout
+
+
+class RefitOutcome:
+    """What both sides of one refit did."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[tuple[str, torch.Tensor]]] = []
+        self.send_error: BaseException | None = None
+        self.receive_error: BaseException | None = None
+
+    @property
+    def received(self) -> list[tuple[str, torch.Tensor]]:
+        return [item for batch in self.batches for item in batch]
+
+
+def run_refit(
+    policy: MemoryEngine,
+    rollout: MemoryEngine,
+    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]],
+    *,
+    deadline_s: float = 60.0,
+) -> RefitOutcome:
+    """One refit: ``policy.send_weights`` on a thread, ``rollout.receive_weight_batches`` here.
+
+    If receiving fails, the rollout engine is finalized (closing its end), so a sender waiting
+    on it fails instead of waiting out its timeout. The sender thread must end within
+    ``deadline_s``.
+    """
+    outcome = RefitOutcome()
+
+    def send() -> None:
+        try:
+            asyncio.run(policy.send_weights(weights()))  # type: ignore[arg-type]
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            outcome.send_error = exc
+
+    sender = threading.Thread(target=send, name="memory-refit-sender", daemon=True)
+    sender.start()
+
+    async def receive() -> None:
+        async for batch in rollout.receive_weight_batches():
+            outcome.batches.append(batch)
+
+    try:
+        asyncio.run(receive())
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        outcome.receive_error = exc
+        rollout.finalize()
+    sender.join(deadline_s)
+    assert not sender.is_alive(), f"the sender did not finish within {deadline_s}s"
+    return outcome
