@@ -1,0 +1,299 @@
+"""The measured methods, harness side: each owns one pool of worker processes, reused across
+payloads and repetitions, and turns one measurement into a :class:`Sample`.
+
+A method's life: ``open()`` (start processes, form groups) -> per payload ``warm_up()`` (one
+untimed transfer that maps and touches everything and, where possible, checks every tensor
+bit-exact) -> ``sample()`` repeatedly -> ``close()``. Any failure raises; the harness records it
+as that case's error and stops using the method.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from ckpt_core.coordinator import CallResult, RefitCoordinator, RefitFailedError
+from ckpt_core.launch.local import LocalProcessPool
+from ckpt_core.worker import refit_worker_specs
+
+from .weights import Payload
+
+_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+def worker_env() -> dict[str, str]:
+    """The environment for worker processes: this one, with the repository root importable
+    (workers load ``benchmarks.services``)."""
+    env = dict(os.environ)
+    paths = [_REPO_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSample:
+    """One process's part of one measurement."""
+
+    label: str
+    role: str  # "sender", "receiver" or "local"
+    rss_base_bytes: int
+    rss_before_bytes: int
+    rss_peak_bytes: int
+    stats: dict[str, Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One measurement: end-to-end seconds (first sender start to last receiver end)."""
+
+    seconds: float
+    workers: tuple[WorkerSample, ...]
+
+
+def _worker_sample(label: str, role: str, record: dict[str, Any]) -> WorkerSample:
+    return WorkerSample(
+        label=label,
+        role=role,
+        rss_base_bytes=int(record["rss_base_bytes"]),
+        rss_before_bytes=int(record["rss_before_bytes"]),
+        rss_peak_bytes=int(record["rss_peak_bytes"]),
+        stats=record.get("stats"),
+    )
+
+
+def _checked(step: str, results: list[CallResult]) -> list[Any]:
+    failed = [r for r in results if not r.ok]
+    if failed:
+        raise RefitFailedError(step, failed)
+    return [r.value for r in results]
+
+
+class Method(abc.ABC):
+    """One way of moving a payload, measured by the harness."""
+
+    key: str
+    """Stable identifier, used in JSON and on the command line."""
+    label: str
+    """Human-readable name for tables and plots."""
+    kind: str
+    """``"refit"`` (ckpt-engine), ``"floor"`` (raw Gloo), ``"memory"`` (memcpy), ``"naive"``."""
+    shape: str
+    """``"1->1"``, ``"1->2"``, or ``"local"`` for the in-process copy."""
+    bucket_size: int | None = None
+
+    def __init__(self, *, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.pool: LocalProcessPool | None = None
+
+    def _start(self, specs: list[dict[str, Any]], labels: list[str]) -> LocalProcessPool:
+        self.pool = LocalProcessPool(specs, labels=labels, env=worker_env(), start_timeout_s=self.timeout_s)
+        return self.pool
+
+    def _call(self, step: str, calls: list[tuple[int, str, dict[str, Any]]]) -> list[Any]:
+        assert self.pool is not None, "open() first"
+        return _checked(step, self.pool.call(calls, self.timeout_s))
+
+    @abc.abstractmethod
+    def open(self) -> None:
+        """Start this method's processes."""
+
+    def warm_up(self, payload: Payload) -> None:
+        """One untimed transfer of ``payload``."""
+        self.sample(payload)
+
+    @abc.abstractmethod
+    def sample(self, payload: Payload) -> Sample:
+        """One timed transfer of ``payload``."""
+
+    def close(self) -> None:
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.close()
+
+    def describe(self) -> dict[str, Any]:
+        return {"key": self.key, "label": self.label, "kind": self.kind, "shape": self.shape,
+                "bucket_size": self.bucket_size}
+
+
+class RefitMethod(Method):
+    """A ckpt-engine refit through ``backend``: one policy process, ``num_rollout`` rollouts."""
+
+    kind = "refit"
+
+    def __init__(
+        self,
+        *,
+        key: str,
+        label: str,
+        backend: str,
+        num_rollout: int,
+        bucket_size: int,
+        engine_kwargs: dict[str, Any],
+        topology: str,
+        timeout_s: float,
+    ) -> None:
+        super().__init__(timeout_s=timeout_s)
+        self.key, self.label, self.backend = key, label, backend
+        self.num_rollout = num_rollout
+        self.shape = f"1->{num_rollout}"
+        self.bucket_size = bucket_size
+        self.engine_kwargs = {"timeout_s": max(1.0, timeout_s - 30.0), **engine_kwargs}
+        self.topology = topology
+        self.coordinator: RefitCoordinator | None = None
+        self._set_up = False
+
+    def open(self) -> None:
+        specs, labels = refit_worker_specs(
+            backend=self.backend,
+            num_policy=1,
+            num_rollout=self.num_rollout,
+            bucket_size=self.bucket_size,
+            engine_kwargs=self.engine_kwargs,
+            weights="benchmarks.weights:small_tensors",  # replaced by every refit's payload
+            weights_params={"count": 1, "nbytes": 4},
+            verify=False,
+        )
+        for spec in specs:
+            spec["service"] = "benchmarks.services:BenchRefitWorker"
+        pool = self._start(specs, labels)
+        self.coordinator = RefitCoordinator(
+            pool, num_policy=1, num_rollout=self.num_rollout, timeout_s=self.timeout_s, topology=self.topology
+        )
+        self.coordinator.setup()
+        self._set_up = True
+
+    def _set_verify(self, enabled: bool) -> None:
+        assert self.pool is not None
+        self._call("set_verify", [(i, "set_verify", {"enabled": enabled}) for i in range(len(self.pool))])
+
+    def warm_up(self, payload: Payload) -> None:
+        """A refit with per-tensor digests: the coordinator checks every tensor bit-exact."""
+        self._set_verify(True)
+        try:
+            report = self._refit(payload)
+        finally:
+            self._set_verify(False)
+        for result in report.rollout:
+            if result["tensors"] != payload.tensors:
+                raise RuntimeError(
+                    f"{self.label}: rollout rank {result['rank']} received {result['tensors']} tensors "
+                    f"of {payload.label}, expected {payload.tensors}"
+                )
+
+    def _refit(self, payload: Payload) -> Any:
+        assert self.coordinator is not None, "open() first"
+        return self.coordinator.refit(weights=payload.weights, weights_params=payload.weights_params)
+
+    def sample(self, payload: Payload) -> Sample:
+        report = self._refit(payload)
+        sender = report.policy[0]
+        seconds = max(r["ended_at"] for r in report.rollout) - sender["started_at"]
+        workers = [_worker_sample("policy rank 0", "sender", sender)]
+        workers += [_worker_sample(f"rollout rank {r['rank']}", "receiver", r) for r in report.rollout]
+        return Sample(seconds, tuple(workers))
+
+    def close(self) -> None:
+        coordinator, self.coordinator = self.coordinator, None
+        set_up, self._set_up = self._set_up, False
+        try:
+            if coordinator is not None and set_up:
+                coordinator.finalize()
+        except RefitFailedError:
+            pass  # the processes are closed next either way; the failure is already recorded
+        finally:
+            super().close()
+
+
+class FloorMethod(Method):
+    """Raw ``torch.distributed`` Gloo: the same bytes as one tensor (or in bucket-sized pieces)."""
+
+    kind = "floor"
+
+    def __init__(self, *, key: str, label: str, topology: str, num_receivers: int, timeout_s: float,
+                 piece_bytes: int | None = None) -> None:
+        super().__init__(timeout_s=timeout_s)
+        self.key, self.label, self.topology = key, label, topology
+        self.num_receivers = num_receivers
+        self.shape = f"1->{num_receivers}"
+        self.piece_bytes = piece_bytes
+        self.bucket_size = piece_bytes
+
+    def open(self) -> None:
+        size = self.num_receivers + 1
+        specs = [{"service": "benchmarks.services:RawFloorWorker", "rank": r, "size": size,
+                  "timeout_s": self.timeout_s} for r in range(size)]
+        labels = ["raw sender"] + [f"raw receiver {r}" for r in range(1, size)]
+        self._start(specs, labels)
+        metadata = self._call("raw Gloo prepare", [(r, "prepare", {}) for r in range(size)])
+        self._call("raw Gloo init", [(r, "init", {"metadata": metadata}) for r in range(size)])
+
+    def sample(self, payload: Payload) -> Sample:
+        kwargs = {"nbytes": payload.payload_bytes, "topology": self.topology, "piece_bytes": self.piece_bytes}
+        records = self._call("raw Gloo transfer", [(r, "transfer_once", kwargs) for r in range(self.num_receivers + 1)])
+        seconds = max(r["ended_at"] for r in records[1:]) - records[0]["started_at"]
+        workers = [_worker_sample("raw sender", "sender", records[0])]
+        workers += [_worker_sample(f"raw receiver {i}", "receiver", r) for i, r in enumerate(records[1:], 1)]
+        return Sample(seconds, tuple(workers))
+
+
+class MemcpyMethod(Method):
+    """Single-thread copy of the payload's bytes into warm memory, in one process."""
+
+    key, label, kind, shape = "memcpy", "memcpy, 1 thread (memory limit)", "memory", "local"
+
+    def open(self) -> None:
+        self._start([{"service": "benchmarks.services:MemcpyWorker"}], ["memcpy worker"])
+
+    def sample(self, payload: Payload) -> Sample:
+        (record,) = self._call("memcpy", [(0, "copy", {"weights": payload.weights,
+                                                       "weights_params": payload.weights_params})])
+        if record["payload_bytes"] != payload.payload_bytes:
+            raise RuntimeError(f"memcpy copied {record['payload_bytes']} bytes, expected {payload.payload_bytes}")
+        return Sample(record["ended_at"] - record["started_at"], (_worker_sample("memcpy worker", "local", record),))
+
+
+class NaiveMethod(Method):
+    """Save the state dict to a file on tmpfs, then load it in ``num_receivers`` other
+    processes at once; end-to-end from the first byte written to the last receiver's dict."""
+
+    kind = "naive"
+
+    def __init__(self, *, key: str, label: str, fmt: str, num_receivers: int, scratch: Path, timeout_s: float) -> None:
+        super().__init__(timeout_s=timeout_s)
+        self.key, self.label, self.fmt = key, label, fmt
+        self.num_receivers = num_receivers
+        self.shape = f"1->{num_receivers}"
+        self.path = scratch / f"{key}.{'pt' if fmt == 'torch' else 'safetensors'}"
+
+    def open(self) -> None:
+        size = self.num_receivers + 1
+        labels = ["saving process"] + [f"loading process {r}" for r in range(1, size)]
+        self._start([{"service": "benchmarks.services:NaiveWorker", "fmt": self.fmt}] * size, labels)
+
+    def sample(self, payload: Payload) -> Sample:
+        try:
+            (saved,) = self._call("save", [(0, "save", {"weights": payload.weights,
+                                                        "weights_params": payload.weights_params,
+                                                        "path": str(self.path)})])
+            loaded = self._call("load", [(r, "load", {"path": str(self.path)}) for r in range(1, self.num_receivers + 1)])
+        finally:
+            self.path.unlink(missing_ok=True)
+        for record in loaded:
+            if (record["tensors"], record["payload_bytes"]) != (payload.tensors, payload.payload_bytes):
+                raise RuntimeError(
+                    f"{self.label}: loaded {record['tensors']} tensors / {record['payload_bytes']} bytes, "
+                    f"expected {payload.tensors} / {payload.payload_bytes}"
+                )
+        seconds = max(r["ended_at"] for r in loaded) - saved["started_at"]
+        workers = [_worker_sample("saving process", "sender", saved)]
+        workers += [_worker_sample(f"loading process {i}", "receiver", r) for i, r in enumerate(loaded, 1)]
+        return Sample(seconds, tuple(workers))
+
+
+def describe_error(exc: BaseException) -> str:
+    """What failed, in one string (a ``RefitFailedError`` lists each worker's error)."""
+    return f"{type(exc).__name__}: {exc}".strip()[:2000]

@@ -1,0 +1,201 @@
+"""Worker services the benchmark runs in local processes (see :mod:`ckpt_core.launch.local`).
+
+Every service reports when its side of a measurement started and ended as
+``time.perf_counter()`` stamps: on Linux that is ``CLOCK_MONOTONIC``, one clock for every process
+of the machine, so "sender started" and "last receiver finished" of different processes
+subtract into an end-to-end time. Every service also reports its resident memory: at
+construction (``rss_base_bytes``: interpreter and libraries, before any buffer or weight) and its
+peak during the call (``rss_peak_bytes``; the high-water mark is reset first, see
+:mod:`benchmarks.memory`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ckpt_core.baselines import RawGlooWorker
+from ckpt_core.worker import RefitWorker
+from ckpt_core.workload import load_target
+
+from .memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+
+NAIVE_FORMATS = ("torch", "safetensors")
+
+
+def _weights(weights: str, params: dict[str, Any]) -> Iterable[tuple[str, torch.Tensor]]:
+    return load_target(weights)(params, refit_index=0, rank=0)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class _Measured:
+    """Memory bookkeeping shared by the services: base RSS, and a per-call peak."""
+
+    def __init__(self) -> None:
+        self.rss_base_bytes = current_rss_bytes()
+
+    def _begin(self) -> dict[str, Any]:
+        reset = reset_peak_rss()
+        return {"rss_base_bytes": self.rss_base_bytes, "rss_before_bytes": current_rss_bytes(),
+                "peak_is_per_call": reset}
+
+    @staticmethod
+    def _end(record: dict[str, Any]) -> dict[str, Any]:
+        record["rss_peak_bytes"] = peak_rss_bytes()
+        return record
+
+
+class BenchRefitWorker(RefitWorker, _Measured):
+    """A :class:`~ckpt_core.worker.RefitWorker` whose refit results also carry ``started_at``,
+    ``ended_at`` (this side's transfer, without digests) and the memory fields above.
+
+    ``set_verify`` switches per-tensor digests, so a benchmark verifies its warm-up refit
+    bit-exact and times refits that compute none.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        _Measured.__init__(self)
+        RefitWorker.__init__(self, **kwargs)
+
+    def set_verify(self, *, enabled: bool) -> None:
+        self.verify = bool(enabled)
+
+    def refit(
+        self, *, refit_index: int, weights: str | None = None, weights_params: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        record = self._begin()
+        start = time.perf_counter()
+        result = super().refit(refit_index=refit_index, weights=weights, weights_params=weights_params)
+        # wall_seconds ends when the last tensor is in hand, before digests and before the
+        # received tensors are freed.
+        record.update(started_at=start, ended_at=start + result["wall_seconds"])
+        result.update(self._end(record))
+        return result
+
+    async def _receive(self) -> dict[str, torch.Tensor]:
+        received = await super()._receive()
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # tensors are "received" once their copies have landed
+        return received
+
+
+class RawFloorWorker(RawGlooWorker, _Measured):
+    """The transport floor, one measurement per call: raw Gloo moving ``nbytes`` from rank 0 to
+    ranks 1..R (one ``send``/``recv`` per receiver, or one ``broadcast``).
+
+    With ``piece_bytes``, the bytes move in pieces of that size with at most two in flight, as
+    the bucket pipeline moves them, which shows what splitting alone costs the transport.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        _Measured.__init__(self)
+        RawGlooWorker.__init__(self, **kwargs)
+
+    def transfer_once(self, *, nbytes: int, topology: str, piece_bytes: int | None = None) -> dict[str, Any]:
+        if topology not in ("paired", "broadcast"):
+            raise ValueError(f"topology must be 'paired' or 'broadcast', got {topology!r}")
+        record = self._begin()
+        buffer = torch.ones(nbytes, dtype=torch.uint8)  # touched before the clock starts
+        step = piece_bytes or nbytes
+        pieces = [buffer[offset : offset + step] for offset in range(0, nbytes, step)]
+        self._group.barrier().wait(self.timeout)
+        start = time.perf_counter()
+        in_flight: list[list[Any]] = []
+        for piece in pieces:
+            if len(in_flight) == 2:
+                for work in in_flight.pop(0):
+                    work.wait(self.timeout)
+            in_flight.append(self._post(piece, topology))
+        for works in in_flight:
+            for work in works:
+                work.wait(self.timeout)
+        end = time.perf_counter()
+        record.update(started_at=start, ended_at=end, rank=self.rank)
+        del buffer, pieces
+        return self._end(record)
+
+    def _post(self, piece: torch.Tensor, topology: str) -> list[Any]:
+        if topology == "broadcast":
+            return [self._group.broadcast(piece, 0)]
+        if self.rank == 0:
+            return [self._group.send([piece], peer, 0) for peer in range(1, self.size)]
+        return [self._group.recv([piece], 0, 0)]
+
+
+class MemcpyWorker(_Measured):
+    """The memory limit: one thread copying every tensor of a payload into its slot of a
+    preallocated, already-touched buffer (``copy_`` of the raw bytes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.set_num_threads(1)
+        self._destination: torch.Tensor | None = None
+
+    def copy(self, *, weights: str, weights_params: dict[str, Any]) -> dict[str, Any]:
+        tensors = [t for _, t in _weights(weights, weights_params)]
+        total = sum(_nbytes(t) for t in tensors)
+        if self._destination is None or self._destination.numel() != total:
+            self._destination = None
+            self._destination = torch.empty(total, dtype=torch.uint8)
+            self._destination.fill_(0)
+        record = self._begin()
+        destination = self._destination
+        start = time.perf_counter()
+        offset = 0
+        for tensor in tensors:
+            size = _nbytes(tensor)
+            destination[offset : offset + size].copy_(tensor.reshape(-1).view(torch.uint8))
+            offset += size
+        end = time.perf_counter()
+        record.update(started_at=start, ended_at=end, payload_bytes=total, threads=torch.get_num_threads())
+        return self._end(record)
+
+
+class NaiveWorker(_Measured):
+    """The refit a user would write without ckpt-engine: the sender writes the whole state dict
+    to a file (``torch.save``, or safetensors ``save_file``), another process reads it back
+    (``torch.load``, or ``load_file`` followed by a ``clone()`` of each tensor, so the receiver
+    owns its memory rather than a view of the file)."""
+
+    def __init__(self, *, fmt: str) -> None:
+        if fmt not in NAIVE_FORMATS:
+            raise ValueError(f"fmt must be one of {NAIVE_FORMATS}, got {fmt!r}")
+        super().__init__()
+        self.fmt = fmt
+
+    def save(self, *, weights: str, weights_params: dict[str, Any], path: str) -> dict[str, Any]:
+        state = dict(_weights(weights, weights_params))
+        record = self._begin()
+        start = time.perf_counter()
+        if self.fmt == "torch":
+            torch.save(state, path)
+        else:
+            from safetensors.torch import save_file
+
+            save_file(state, path)
+        end = time.perf_counter()
+        record.update(started_at=start, ended_at=end, file_bytes=os.path.getsize(path))
+        return self._end(record)
+
+    def load(self, *, path: str) -> dict[str, Any]:
+        record = self._begin()
+        start = time.perf_counter()
+        if self.fmt == "torch":
+            state = torch.load(path, weights_only=True)
+        else:
+            from safetensors.torch import load_file
+
+            state = {name: tensor.clone() for name, tensor in load_file(path).items()}
+        end = time.perf_counter()
+        record.update(started_at=start, ended_at=end, tensors=len(state),
+                      payload_bytes=sum(_nbytes(t) for t in state.values()))
+        self._end(record)
+        del state
+        return record

@@ -1,0 +1,85 @@
+"""The benchmark harness in a tiny configuration, so it cannot rot: real worker processes, a real
+gloo_cpu refit, the raw Gloo floor and the memcpy limit on an 8 MiB payload, one repetition.
+Checks the results' schema and that a backend that fails is recorded, not fatal. No timing is
+asserted beyond "positive"."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+# benchmarks/ is a top-level folder of the repository, not an installed package: importable
+# under `python -m pytest` from the root, and under a bare `pytest` thanks to this line.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness import Phase, run_phase  # noqa: E402
+from benchmarks.methods import MemcpyMethod, RefitMethod  # noqa: E402
+from benchmarks.report import SCHEMA  # noqa: E402
+from benchmarks.run import _config, _parser, run, write_results  # noqa: E402
+from benchmarks.weights import write_payload  # noqa: E402
+
+def _log(message: str) -> None:
+    print(message)
+
+
+def test_tiny_run_writes_a_complete_report(tmp_path: Path) -> None:
+    args = _parser().parse_args([
+        "--payloads", "8MiB", "--buckets", "4MiB", "--reps", "1", "--per-tensor-count", "0",
+        "--methods", "gloo_paired,raw_paired,memcpy", "--no-plot", "--out", str(tmp_path), "--timeout", "120",
+    ])
+    config = _config(args)
+    doc = run(config)
+    written = write_results(doc, tmp_path, plot=False)
+
+    loaded = json.loads((tmp_path / "benchmarks.json").read_text())
+    assert loaded == json.loads(json.dumps(doc))
+    assert {p.name for p in written} == {"benchmarks.json", "benchmarks.md"}
+    assert loaded["schema"] == SCHEMA
+    assert set(loaded) >= {"environment", "config", "memory_method", "payloads", "cases", "targets", "per_tensor"}
+    assert loaded["config"]["reps"] == 1 and loaded["per_tensor"] is None
+    (payload,) = loaded["payloads"]
+    assert payload["label"] == "8 MiB" and payload["tensors"] > 2
+
+    cases = {c["key"]: c for c in loaded["cases"]}
+    assert set(cases) == {"gloo_paired", "raw_paired", "memcpy"}
+    for case in cases.values():
+        assert case["error"] is None, case["error"]
+        assert case["group"] == "bucket 4 MiB" and case["payload"] == "8 MiB"
+        assert case["reps"] == 1 and case["seconds"][0] > 0 and case["gbps"] > 0
+        assert case["payload_bytes"] == payload["payload_bytes"]
+        for worker in case["memory"]["workers"]:
+            assert worker["rss_peak_bytes"] > 0 and worker["rss_base_bytes"] > 0
+
+    refit = cases["gloo_paired"]
+    assert refit["kind"] == "refit" and refit["shape"] == "1->1" and refit["bucket_size"] == 4 << 20
+    assert refit["stats"]["sender"]["buckets"] >= 2 and refit["stats"]["receiver"]["buckets"] >= 2
+    assert refit["ratios"]["raw_gloo"] > 0 and refit["ratios"]["memcpy"] > 0
+    assert refit["ratios"]["naive_torch"] is None  # not selected
+    # The receiver holds the whole payload at its peak, so its peak is at least base + payload
+    # minus nothing: a negative "over" figure would mean the bookkeeping is wrong.
+    assert refit["memory"]["receiver_over_payload_bytes"] >= 0
+    assert refit["memory"]["sender_over_weights_bytes"] >= 0
+
+    by_target = {(t["id"], t["method"]): t for t in loaded["targets"]}
+    assert by_target["gloo_vs_raw", "gloo_paired"]["met"] is None  # only buckets >= 64 MiB count
+    assert by_target["sender_memory", "gloo_paired"]["met"] in (True, False)
+    assert by_target["vs_naive", "gloo_paired"]["unmeasured"] == 1
+
+    markdown = (tmp_path / "benchmarks.md").read_text()
+    assert "## 8 MiB payload" in markdown and "gloo_cpu paired" in markdown and "## Targets" in markdown
+
+
+def test_a_failing_backend_is_recorded_and_the_others_still_run(tmp_path: Path) -> None:
+    payload = write_payload(tmp_path / "payload", 1 << 20, label="1 MiB")
+    broken = RefitMethod(key="broken", label="no such backend", backend="no_such_backend_for_bench", num_rollout=1,
+                         bucket_size=1 << 20, engine_kwargs={}, topology="broadcast", timeout_s=60.0)
+    memcpy = MemcpyMethod(timeout_s=60.0)
+    try:
+        records = run_phase(Phase("bucket 1 MiB", [broken, memcpy], [payload], reps=2), _log)
+    finally:
+        broken.close()
+        memcpy.close()
+    by_key = {r.method["key"]: r for r in records}
+    assert by_key["broken"].samples == [] and "no_such_backend_for_bench" in (by_key["broken"].error or "")
+    assert by_key["memcpy"].error is None and len(by_key["memcpy"].samples) == 2
