@@ -1,4 +1,4 @@
-"""ckpt-nccl: the ``nccl`` transport of ckpt-core."""
+"""ckpt-nccl: the ``nccl`` transport of ckpt-core (GPU refit over NCCL)."""
 
 from .engine import NcclCheckpointEngine
 

@@ -1,4 +1,12 @@
-"""``NcclCheckpointEngine``: GPU refit over a dedicated NCCL group (skeleton)."""
+"""``NcclCheckpointEngine``: GPU refit over a dedicated NCCL group per link.
+
+Everything but two questions is ckpt-core's: the bucket pipeline, header format, topologies,
+rendezvous store, Gloo control group for headers, lifecycle and option semantics are those
+of :class:`ckpt_core.distributed.DistributedEngine` (the ``gloo_cpu`` backend runs the same
+code on the host). This module answers how peers meet (a ``ProcessGroupNCCL`` built on the
+link's prefixed store, each member on its own GPU) and how one buffer moves (an NCCL
+broadcast from the link's sender, ordered after the sender's device work).
+"""
 
 from __future__ import annotations
 
@@ -7,28 +15,141 @@ from typing import Any, ClassVar
 import torch
 
 from ckpt_core.capabilities import BackendCapabilities
+from ckpt_core.device_checksum import device_payload_checksum
 from ckpt_core.distributed import DistributedEngine
 from ckpt_core.errors import BackendUnavailableError
+from ckpt_core.pipeline import Checksum
+from ckpt_core.transport import BucketReceiver, BucketSender
+
+from .cuda import CudaPlatform, PackStream, Platform
+from .options import check_options
+from .transport import NcclReceiver, NcclSender, PayloadGroup, check_distinct_gpus, link_members
 
 
 class NcclCheckpointEngine(DistributedEngine):
+    """Moves buckets between GPU buffers with NCCL; headers travel on a Gloo control group.
+
+    Options: ``bucket_size`` (bytes; each side holds two buffers of it on its GPU),
+    ``topology`` (``"broadcast"`` | ``"paired"``), ``host`` (address to bind and advertise,
+    default ``127.0.0.1``), ``timeout_s`` (every wait, default 300), ``checksum`` (a device
+    checksum per bucket, verified on the receiving GPU; default on), ``device`` (``"cuda"``
+    for the current CUDA device, or ``"cuda:N"``), ``release_buffers`` (on ``finalize()``,
+    return the freed buffer memory from torch's cache to the device; default off),
+    ``auth_token`` (shared secret checked at rendezvous, see :mod:`ckpt_core.auth`).
+
+    ``engine.checksum`` is always ``False``: it is the core's host-memory xxh3, which cannot
+    read GPU buffers. ``engine.device_checksum`` holds this engine's ``checksum`` option.
+    """
+
     backend_name: ClassVar[str] = "nccl"
     device_type: ClassVar[str] = "cuda"
     capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
         devices=("cuda",), topologies=("broadcast", "paired"), placements=("disaggregated",)
     )
+    platform: ClassVar[Platform] = CudaPlatform()
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        if not torch.cuda.is_available():
-            return "no CUDA device is visible (torch.cuda.is_available() is False)"
-        return None
+        return cls.platform.unavailable_reason()
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(
+        self,
+        *,
+        bucket_size: int,
+        topology: str = "broadcast",
+        host: str = "127.0.0.1",
+        timeout_s: float = 300.0,
+        checksum: bool = True,
+        device: str = "cuda",
+        release_buffers: bool = False,
+        auth_token: str | None = None,
+    ) -> None:
+        owner = type(self).__name__
+        options = check_options(
+            owner,
+            bucket_size=bucket_size,
+            topology=topology,
+            host=host,
+            timeout_s=timeout_s,
+            checksum=checksum,
+            device=device,
+            release_buffers=release_buffers,
+            auth_token=auth_token,
+        )
         reason = self.unavailable_reason()
         if reason:
-            raise BackendUnavailableError(f"the nccl backend cannot run here: {reason}")
-        super().__init__(**options)
+            raise BackendUnavailableError(
+                f"the nccl backend cannot run here: {reason}. It needs a CUDA build of torch "
+                "with NCCL and a visible GPU; use the gloo_cpu backend for host-only workers."
+            )
+        self.device: torch.device = self.platform.resolve_device(owner, options.device_index)
+        super().__init__(
+            bucket_size=options.bucket_size,
+            topology=options.topology,
+            host=options.host,
+            timeout_s=options.timeout_s,
+            checksum=False,
+            auth_token=auth_token,
+        )
+        self.device_checksum = options.checksum
+        self.release_buffers = options.release_buffers
+        self._pack_stream: PackStream | None = None
+
+    # --- how peers meet ----------------------------------------------------------------
+
+    def _prepare_transport(self) -> dict[str, Any]:
+        identity = {"device": str(self.device), "gpu_uuid": self.platform.device_identity(self.device)}
+        return {**super()._prepare_transport(), **identity}
 
     def _new_data_group(self, store: Any, rank: int, size: int) -> Any:
-        raise NotImplementedError
+        backend = self.platform.new_group(store, rank, size, device=self.device, timeout_s=self.timeout_s)
+        return PayloadGroup(backend)
+
+    def _buffer_device(self) -> torch.device:
+        return self.device
+
+    def _connect_policy(
+        self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> BucketSender | None:
+        self._check_link(metadata, "policy", worker_rank, train_world_size, rollout_world_size)
+        sender = super()._connect_policy(worker_rank, train_world_size, rollout_world_size, metadata)
+        if sender is None:
+            return None
+        self._pack_stream = self.platform.new_pack_stream(self.device)
+        return NcclSender(sender, self._pack_stream)
+
+    def _connect_rollout(
+        self, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> BucketReceiver:
+        self._check_link(metadata, "rollout", rollout_rank, train_world_size, rollout_world_size)
+        receiver = super()._connect_rollout(rollout_rank, train_world_size, rollout_world_size, metadata)
+        return NcclReceiver(receiver, device_payload_checksum if self.device_checksum else None)
+
+    def _check_link(
+        self, metadata: list[dict[str, Any]], role: str, rank: int, train_world_size: int, rollout_world_size: int
+    ) -> None:
+        self._check_topology(train_world_size, rollout_world_size)
+        members = link_members(self.topology, role, rank, train_world_size, rollout_world_size)
+        check_distinct_gpus(type(self).__name__, metadata, members, train_world_size)
+
+    # --- how one buffer moves ----------------------------------------------------------
+
+    def _payload_checksum(self) -> Checksum | None:
+        stream = self._pack_stream
+        if not self.device_checksum or stream is None:
+            return None
+
+        def on_pack_stream(payload: torch.Tensor) -> int:
+            stream.follow_caller()  # after the packing, wherever it was queued
+            with stream.active():
+                return device_payload_checksum(payload)
+
+        return on_pack_stream
+
+    def _release_transport(self) -> None:
+        try:
+            super()._release_transport()
+        finally:
+            self._pack_stream = None
+            if self.release_buffers:
+                self.platform.release_cached_memory(self.device)

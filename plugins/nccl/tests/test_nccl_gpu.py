@@ -1,0 +1,162 @@
+"""GPU checks of the nccl backend (``pytest -m gpu``; run by scripts/gpu_check.sh).
+
+One GPU cannot hold two ranks of one NCCL communicator, so a one-GPU machine checks what a
+single rank can: a one-rank NCCL group on a TCPStore, packing on the side stream, the
+device checksum against the host's, the sender's whole pipeline into a one-rank link, and
+the engine's GPU-side setup. The conformance kit between processes, which needs a GPU per
+rank, is in test_nccl_conformance.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ckpt_core.base import split_weight_chunks, tensor_bytes
+from ckpt_core.device_checksum import device_payload_checksum
+from ckpt_core.errors import EngineOptionError
+from ckpt_core.testing.weights import every_dtype
+from ckpt_nccl import NcclCheckpointEngine
+from ckpt_nccl.cuda import CudaPackStream, CudaPlatform
+from ckpt_nccl.transport import NcclSender, PayloadGroup
+
+REASON = CudaPlatform().unavailable_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"needs CUDA and NCCL: {REASON}")]
+GPU_COUNT = torch.cuda.device_count() if REASON is None else 0
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def _store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, 1, True, TIMEOUT, wait_for_workers=False)
+
+
+def test_a_one_rank_nccl_group_on_a_tcpstore_broadcasts_without_a_default_group():
+    device = torch.device("cuda", 0)
+    backend = CudaPlatform().new_group(dist.PrefixStore("solo/", _store()), 0, 1, device=device, timeout_s=60.0)
+    group = PayloadGroup(backend)
+    try:
+        tensor = torch.arange(4096, dtype=torch.float32, device=device)
+        group.broadcast(tensor, 0).wait(TIMEOUT)
+        assert torch.equal(tensor.cpu(), torch.arange(4096, dtype=torch.float32))
+        assert not dist.is_initialized()
+    finally:
+        group.shutdown()
+
+
+def test_packing_on_the_side_stream_waits_for_the_callers_work_and_keeps_the_chunk_alive():
+    device = torch.device("cuda", 0)
+    stream = CudaPackStream(device)
+    count = 1 << 22
+    target = torch.empty(count * 4, dtype=torch.uint8, device=device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    for round_ in range(3):
+        want = torch.randn(count, generator=generator, device=device)
+        torch.cuda._sleep(20_000_000)  # keep the caller's stream busy: an unordered copy would win the race
+        chunk = (want * (round_ + 2)).view(torch.uint8)  # queued behind the sleep
+        stream.pack(target, chunk)
+        del chunk  # the caller frees it at once; its memory must not be reused before the copy
+        torch.full((count,), -1.0, device=device)
+        torch.cuda.synchronize(device)
+        assert torch.equal(target.view(torch.float32), want * (round_ + 2)), f"round {round_}"
+
+
+@pytest.mark.parametrize("nbytes", [0, 5, 8 * 4096, 3 * 8 * 4096 + 8 * 7 + 3, 64 << 20])
+def test_the_device_checksum_on_the_gpu_equals_the_host_one(nbytes):
+    host = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
+    assert device_payload_checksum(host.to("cuda:0")) == device_payload_checksum(host)
+
+
+def _weights_on_gpu(device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    """Every dtype (bytes moved, not values: some dtypes have no CUDA copy kernel), then a
+    tensor spanning three buckets, whose full-bucket chunks are sent from the tensor itself."""
+    weights = [
+        (name, tensor_bytes(tensor).to(device).view(tensor.dtype).reshape(tensor.shape))
+        for name, tensor in every_dtype({"seed": 3}, refit_index=0, rank=0)
+    ]
+    weights.append(("spans_buckets", torch.randn(3 * (1 << 14) + 5, device=device)))
+    return weights
+
+
+def test_the_sender_pipeline_packs_checksums_and_sends_into_a_one_rank_link():
+    """send_refit through NcclSender into a one-member link: packing, sending straight from a
+    tensor, the device checksum on the pack stream and the NCCL broadcast under it all run;
+    every bucket's bytes are where the chunk layout says."""
+    from ckpt_core.distributed import DistributedSender, _Link  # the core's own link type
+    from ckpt_core.hooks import RefitNotifier
+    from ckpt_core.pipeline import send_refit
+
+    device = torch.device("cuda", 0)
+    bucket_size = 1 << 16
+    platform = CudaPlatform()
+    store = _store()
+    control_options = dist.ProcessGroupGloo._Options()
+    control_options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    control_options._timeout = TIMEOUT
+    control = dist.ProcessGroupGloo(dist.PrefixStore("control/", store), 0, 1, control_options)
+    data = PayloadGroup(platform.new_group(dist.PrefixStore("data/", store), 0, 1, device=device, timeout_s=60.0))
+    link = _Link(control, data, rank=0, size=1, broadcast=True, peer="nobody")
+    stream = platform.new_pack_stream(device)
+    sender = NcclSender(DistributedSender(link, bucket_size, device), stream)
+    assert sender.accepts_external_payload
+    weights = _weights_on_gpu(device)
+    buckets: list[torch.Tensor] = []
+
+    def checksum(payload: torch.Tensor) -> int:  # the engine's, plus a copy of each bucket
+        stream.follow_caller()
+        with stream.active():
+            buckets.append(payload.clone())
+            return device_payload_checksum(payload)
+
+    notifier = RefitNotifier("nccl", "policy", 0)
+    try:
+        stats = asyncio.run(
+            send_refit(
+                iter(weights), sender, bucket_size=bucket_size, context=notifier.context(0), notifier=notifier,
+                timeout_s=60.0, checksum=checksum,
+            )
+        )
+        assert stats.tensors == len(weights) and stats.buckets == len(buckets) >= 4
+        bucket, end = 0, 0
+        for meta, chunk in split_weight_chunks(iter(weights), bucket_size):
+            if meta.offset < end:  # the layout's rule for "this chunk opens the next bucket"
+                bucket += 1
+            end = meta.offset + meta.chunk_size
+            assert torch.equal(buckets[bucket][meta.offset : end], chunk), (meta.name, meta.chunk_offset)
+    finally:
+        sender.close()
+        data.shutdown()
+        control.shutdown()
+
+
+def test_prepare_on_a_gpu_returns_json_metadata_naming_the_gpu():
+    engine = NcclCheckpointEngine(bucket_size=1 << 20, device="cuda:0", release_buffers=True)
+    try:
+        metadata = engine.prepare()
+        assert json.loads(json.dumps(metadata)) == metadata
+        assert metadata["device"] == "cuda:0"
+        assert metadata["gpu_uuid"] == str(torch.cuda.get_device_properties(0).uuid)
+    finally:
+        engine.finalize()
+
+
+def test_the_default_device_is_the_current_one_and_a_missing_index_is_refused():
+    assert NcclCheckpointEngine(bucket_size=1024).device == torch.device("cuda", torch.cuda.current_device())
+    with pytest.raises(EngineOptionError, match=f"device 'cuda:{GPU_COUNT}' does not exist"):
+        NcclCheckpointEngine(bucket_size=1024, device=f"cuda:{GPU_COUNT}")
+
+
+def test_two_ranks_on_one_gpu_are_refused_before_nccl_sees_them():
+    policy = NcclCheckpointEngine(bucket_size=1 << 16, device="cuda:0")
+    rollout = NcclCheckpointEngine(bucket_size=1 << 16, device="cuda:0")
+    try:
+        metadata = [policy.prepare(), rollout.prepare()]
+        with pytest.raises(EngineOptionError, match="are on the same GPU"):
+            policy.init_policy_process_group(worker_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata)
+    finally:
+        policy.finalize()
+        rollout.finalize()
