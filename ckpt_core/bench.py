@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, ContextManager
 
-from .coordinator import RefitCoordinator
+from .coordinator import RefitCoordinator, WorkerPool
 from .launch.local import LocalProcessPool
 from .worker import refit_worker_specs
 
@@ -30,6 +31,10 @@ class BenchConfig:
     engine_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     baseline: bool = True
     progress: bool = False
+    launcher: str = "local"
+    """``"local"`` (subprocesses) or ``"ray"`` (Ray actors; the raw Gloo floor stays local)."""
+    ray_address: str | None = None
+    """With ``launcher="ray"``: the cluster to join; ``None`` starts a local one."""
 
     @property
     def topology(self) -> str:
@@ -59,7 +64,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
     )
     if config.progress:
         specs[config.num_policy]["hook_plugins"] = ["ckpt_core.progress:ProgressBar"]
-    with LocalProcessPool(specs, labels=labels) as pool:
+    with _refit_pool(config, specs, labels) as pool:
         coordinator = RefitCoordinator(
             pool,
             num_policy=config.num_policy,
@@ -90,6 +95,18 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
         result["baseline"] = floor
         result["ratio_to_baseline"] = result["gbps"] / floor["gbps"] if floor["gbps"] else 0.0
     return result
+
+
+def _refit_pool(
+    config: BenchConfig, specs: Sequence[dict[str, Any]], labels: Sequence[str]
+) -> ContextManager[WorkerPool]:
+    if config.launcher == "ray":
+        from .ray import ray_service_pool
+
+        return ray_service_pool(specs, labels, address=config.ray_address)
+    if config.launcher != "local":
+        raise ValueError(f"launcher must be 'local' or 'ray', got {config.launcher!r}")
+    return LocalProcessPool(specs, labels=labels)
 
 
 def _summarize(label: str, results: list[dict[str, Any]]) -> dict[str, Any]:

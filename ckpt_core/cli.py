@@ -3,7 +3,8 @@
     ckpt-engine list [--json]
     ckpt-engine bench [--backend gloo_cpu] [--size 1GiB | --model PATH] [--bucket-size 64MiB]
                       [--policy 1] [--rollout 2] [--topology broadcast] [--refits 3]
-                      [--option KEY=VALUE ...] [--json PATH]
+                      [--option KEY=VALUE ...] [--launcher local|ray [--ray-address ADDR]]
+                      [--json PATH]
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--timeout", type=float, default=300.0, help="engine timeout_s (default 300)")
     bench.add_argument("--no-baseline", action="store_true", help="skip the raw Gloo measurement")
     bench.add_argument("--no-progress", action="store_true", help="no live progress line")
+    bench.add_argument("--launcher", choices=("local", "ray"), default="local",
+                       help="run the workers as local processes (default) or as Ray actors")
+    bench.add_argument("--ray-address", default=None,
+                       help="with --launcher ray: join this Ray cluster (default: start a local one)")
     bench.add_argument("--json", dest="json_path", help="write every figure to this JSON file")
     return parser
 
@@ -117,6 +122,9 @@ def _table(rows: list[tuple[Any, ...]]) -> str:
 def _bench(args: argparse.Namespace) -> int:
     from .bench import BenchConfig, run_bench
 
+    if args.ray_address and args.launcher != "ray":
+        _build_parser().error("--ray-address needs --launcher ray")
+
     engine_kwargs: dict[str, Any] = dict(args.option)
     engine_kwargs.setdefault("timeout_s", args.timeout)
     if args.topology:
@@ -133,7 +141,9 @@ def _bench(args: argparse.Namespace) -> int:
         refits=args.refits,
         engine_kwargs=engine_kwargs,
         baseline=not args.no_baseline,
-        progress=not args.no_progress and sys.stderr.isatty() or False,
+        progress=not args.no_progress and args.launcher == "local" and sys.stderr.isatty() or False,
+        launcher=args.launcher,
+        ray_address=args.ray_address,
     )
     started = time.time()
     result = run_bench(config)

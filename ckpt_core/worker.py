@@ -9,13 +9,16 @@ from __future__ import annotations
 import asyncio
 import resource
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .base import CheckpointEngine, create_checkpoint_engine
 from .stats import Role
-from .workload import digests, load_target
+from .workload import WeightsFactory, digests, load_target, tensor_digest
+
+BatchLoader = Callable[[list[tuple[str, torch.Tensor]]], None]
 
 
 def peak_rss_bytes() -> int:
@@ -28,8 +31,11 @@ class RefitWorker:
     keep what they receive for the refit and report its digests, so a coordinator can check
     every tensor bit-exact against its source.
 
-    ``weights`` is a ``"module:function"`` weights factory (see :mod:`ckpt_core.workload`),
-    called with ``weights_params``; rollout workers need none. ``verify`` turns digests on.
+    ``weights`` is a ``"module:function"`` weights factory (see :mod:`ckpt_core.workload`), or
+    the factory itself, called with ``weights_params``; rollout workers need none. ``verify``
+    turns digests on. ``load_weights`` (rollout only) receives each received batch instead of
+    the worker keeping the tensors (digests are then taken batch by batch, before the loader
+    sees them, and count in ``wall_seconds``).
     """
 
     def __init__(
@@ -40,21 +46,25 @@ class RefitWorker:
         backend: str,
         bucket_size: int,
         engine_kwargs: dict[str, Any] | None = None,
-        weights: str | None = None,
+        weights: str | WeightsFactory | None = None,
         weights_params: dict[str, Any] | None = None,
         verify: bool = True,
         hook_plugins: list[str] | None = None,
+        load_weights: BatchLoader | None = None,
     ) -> None:
         if role not in ("policy", "rollout"):
             raise ValueError(f"role must be 'policy' or 'rollout', got {role!r}")
         if role == "policy" and not weights:
             raise ValueError("a policy worker needs a weights factory ('module:function')")
+        if role == "policy" and load_weights is not None:
+            raise ValueError("load_weights is for rollout workers; a policy worker sends its weights")
         self.role: Role = role
         self.rank = rank
         self.backend = backend
         self.bucket_size = bucket_size
         self.engine_kwargs = dict(engine_kwargs or {})
-        self.weights = load_target(weights) if weights else None
+        self.weights = load_target(weights) if isinstance(weights, str) else weights
+        self.load_weights = load_weights
         self.weights_params = dict(weights_params or {})
         self.verify = verify
         if hook_plugins:
@@ -101,21 +111,27 @@ class RefitWorker:
             params = self.weights_params if weights_params is None else weights_params
             assert factory is not None
             asyncio.run(self.engine.send_weights(iter(factory(params, refit_index=refit_index, rank=self.rank))))
-            received: dict[str, torch.Tensor] = {}
             wall = time.perf_counter() - start
             # Digests of the source, computed after the send so they are not in its timing.
             result_digests = digests(factory(params, refit_index=refit_index, rank=self.rank)) if self.verify else {}
+            count = len(result_digests)
+        elif self.load_weights is not None:
+            loaded = asyncio.run(self._receive_into(self.load_weights))
+            wall = time.perf_counter() - start
+            result_digests = loaded if self.verify else {}
+            count = len(loaded)
         else:
             received = asyncio.run(self._receive())
             wall = time.perf_counter() - start
             result_digests = digests(received.items()) if self.verify else {}
+            count = len(received)
         stats = getattr(self.engine, "last_stats", None)
         return {
             "role": self.role,
             "rank": self.rank,
             "wall_seconds": wall,
             "stats": stats.to_dict() if stats is not None else None,
-            "tensors": len(result_digests) if self.verify else len(received),
+            "tensors": count,
             "digests": result_digests,
             "peak_rss_bytes": peak_rss_bytes(),
         }
@@ -128,6 +144,17 @@ class RefitWorker:
                     raise ValueError(f"tensor {name!r} arrived twice in one refit")
                 received[name] = tensor
         return received
+
+    async def _receive_into(self, loader: BatchLoader) -> dict[str, str]:
+        """Hand each batch to ``loader``; name -> digest (``""`` unless verifying)."""
+        seen: dict[str, str] = {}
+        async for batch in self.engine.receive_weight_batches():
+            for name, tensor in batch:
+                if name in seen:
+                    raise ValueError(f"tensor {name!r} arrived twice in one refit")
+                seen[name] = tensor_digest(tensor) if self.verify else ""
+            loader(batch)
+        return seen
 
     def finalize(self) -> None:
         self.engine.finalize()
