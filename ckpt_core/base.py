@@ -31,7 +31,7 @@ import torch
 
 from .dtypes import check_transferable, dtype_from_name, dtype_name
 from .errors import ChunkStreamError, UnsupportedTensorError, WireFormatError
-from .host_memory import empty_host
+from .host_memory import HUGE_PAGE_THRESHOLD, empty_host
 
 __all__ = [
     "CheckpointEngine",
@@ -58,7 +58,7 @@ class TensorMeta:
 
     @property
     def nbytes(self) -> int:
-        return self.shape.numel() * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-compatible data: dtype as its name, shape as a list of ints."""
@@ -207,7 +207,11 @@ def create_checkpoint_engine(
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat ``uint8`` view of a tensor's bytes in C order (copying only if non-contiguous)."""
-    tensor = tensor.detach().resolve_conj().resolve_neg()
+    # Attribute checks first: each op call costs microseconds, and this runs once per tensor.
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if tensor.is_conj() or tensor.is_neg():
+        tensor = tensor.resolve_conj().resolve_neg()
     if not tensor.is_contiguous():
         # Some dtypes (int1..int7, uint1..uint7) have no copy kernel; an integer view of the
         # same element size has one, and copying it moves exactly the same bytes.
@@ -308,6 +312,10 @@ async def merge_weight_chunk_batches(
         done: list[tuple[str, torch.Tensor]] = []
         for meta, chunk in batch:
             if pending is None:
+                whole = _small_whole_tensor(meta, chunk, device)
+                if whole is not None:
+                    done.append((meta.name, whole))
+                    continue
                 pending = _PartialTensor.start(meta, chunk, device)
             pending.add(meta, chunk)
             if pending.complete:
@@ -320,6 +328,22 @@ async def merge_weight_chunk_batches(
             f"chunk stream ended in the middle of tensor {pending.meta.name!r}: received bytes "
             f"[0, {pending.filled}) of {pending.meta.nbytes}"
         )
+
+
+def _small_whole_tensor(meta: TensorMeta, chunk: torch.Tensor, device: torch.device | None) -> torch.Tensor | None:
+    """Fast path for a small tensor carried whole by one chunk: one clone instead of an
+    allocation plus a copy. ``None`` when the general path applies (or must report an error)."""
+    if (
+        meta.chunk_offset != 0
+        or meta.chunk_size != meta.nbytes
+        or meta.nbytes >= HUGE_PAGE_THRESHOLD
+        or (device is not None and chunk.device != device)
+        or chunk.dtype != torch.uint8
+        or chunk.dim() != 1
+        or chunk.numel() != meta.chunk_size
+    ):
+        return None
+    return chunk.clone().view(meta.dtype).reshape(meta.shape)
 
 
 class _PartialTensor:

@@ -132,8 +132,9 @@ class _BucketPacker:
             await self._post(last=False, direct=chunk)
             return
         if meta.chunk_size:
-            with _timed(self.stats, "pack_seconds"):
-                self.buffer[meta.offset : meta.offset + meta.chunk_size].copy_(chunk)
+            start = time.perf_counter()  # inline, not _timed: this runs once per chunk
+            self.buffer[meta.offset : meta.offset + meta.chunk_size].copy_(chunk)
+            self.stats.pack_seconds += time.perf_counter() - start
         self.chunks.append(meta)
         self.end = meta.offset + meta.chunk_size
         self.stats.payload_bytes += meta.chunk_size

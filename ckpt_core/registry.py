@@ -258,9 +258,9 @@ def check_engine_kwargs(engine_class: type[CheckpointEngine], engine_kwargs: Any
             )
         if accepted is not None and key not in accepted:
             close = difflib.get_close_matches(key, accepted, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise EngineOptionError(
-                f"{engine_class.__name__} has no option {key!r}{hint} "
+                f"{engine_class.__name__} has no option {key!r}{hint}. "
                 f"Accepted options: {', '.join(accepted) or '(none)'}"
             )
     missing = [

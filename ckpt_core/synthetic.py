@@ -72,16 +72,20 @@ def transformer_weights(params: dict[str, Any], *, refit_index: int, rank: int) 
 
 
 def safetensors_files(path: str | Path) -> list[Path]:
-    """The ``*.safetensors`` files of a checkpoint: ``path`` itself, or those under it, sorted."""
+    """The ``*.safetensors`` files holding one whole copy of a checkpoint's tensors.
+
+    ``path`` may be a file; a Hugging Face model directory; a directory saved by
+    :class:`ckpt_core.automodel.AutomodelCheckpointManager` (its consolidated output, or its
+    whole-tensor shards); or a directory of shards. Errors (a missing or empty directory, a
+    DCP checkpoint, shards that split tensors) are those of
+    :func:`ckpt_core.automodel.saved_safetensors_files`.
+    """
+    from .automodel.layout import saved_safetensors_files
+
     root = Path(path)
     if root.is_file():
         return [root]
-    if not root.is_dir():
-        raise FileNotFoundError(f"no safetensors file or directory at {root}")
-    files = sorted(root.rglob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files under {root}")
-    return files
+    return saved_safetensors_files(root)
 
 
 def safetensors_weights(params: dict[str, Any], *, refit_index: int, rank: int) -> Iterator[tuple[str, torch.Tensor]]:
