@@ -10,10 +10,12 @@
 # from wheels carried in .whl/ (see below).
 # Without CUDA every gpu test is skipped and the script says so and exits 0.
 # Exit status: 0 all gpu tests passed (or skipped) and the benchmark, if any, succeeded;
-# 1 a gpu test or the benchmark failed, or a test module could not be collected;
+# 1 a gpu test or the benchmark failed, or a test module could not be collected for a reason
+#   other than a missing optional test dependency (those are listed, with the wheels to carry);
 # 2 the environment could not be set up.
 #
-# Environment: PYTHON (interpreter; default .venv/bin/python if present, else python3),
+# Environment: PYTHON (interpreter; default the first of .venv/bin/python, python, python3
+# that imports torch),
 # GPU_CHECK_BUDGET_S (whole-run budget in seconds, default 285), OUT (if set, the JUnit report
 # is written there so it comes back from a lent machine).
 set -uo pipefail
@@ -27,14 +29,12 @@ mkdir -p "$REPORT_DIR"
 JUNIT="$REPORT_DIR/gpu-tests.xml"
 rm -f "$JUNIT"
 
-if [ -n "${PYTHON:-}" ]; then
-    PY=$PYTHON
-elif [ -x "$ROOT/.venv/bin/python" ]; then
-    PY="$ROOT/.venv/bin/python"
-elif command -v python3 >/dev/null 2>&1; then
-    PY=python3
-else
-    PY=python
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then  # the first interpreter that has torch
+    for candidate in "$ROOT/.venv/bin/python" python python3; do
+        if "$candidate" -c "import torch" >/dev/null 2>&1; then PY=$candidate; break; fi
+    done
+    PY=${PY:-python3}
 fi
 
 say() { printf '[gpu_check] %s\n' "$*"; }
@@ -77,7 +77,8 @@ if [ -n "$OPTIONAL" ]; then
 fi
 
 # --- 2. this checkout, installed editable --------------------------------------------------
-# Prints the paths (. and plugins/*) whose distribution is not installed from this checkout.
+# Prints the paths (. and plugins/*, except _* folders) whose distribution is not installed
+# from this checkout.
 # -I keeps the working directory (which may hold stale *.egg-info folders) off sys.path.
 NEEDS_INSTALL=$("$PY" -I - "$ROOT" <<'EOF'
 import importlib.metadata as md, json, pathlib, sys
@@ -86,7 +87,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     tomllib = None
 root = pathlib.Path(sys.argv[1])
-projects = [root] + sorted(p for p in (root / "plugins").iterdir() if (p / "pyproject.toml").is_file())
+plugins = (p for p in (root / "plugins").iterdir() if not p.name.startswith(("_", ".")))  # _template is no plugin
+projects = [root] + sorted(p for p in plugins if (p / "pyproject.toml").is_file())
 def installed_here(project):
     if tomllib is None:
         return False
@@ -117,7 +119,7 @@ else
 fi
 
 # --- 3. the machine -------------------------------------------------------------------------
-"$PY" - <<'EOF'
+MACHINE=$("$PY" - <<'EOF'
 import torch
 import torch.distributed as dist
 cuda = torch.cuda.is_available()
@@ -128,9 +130,11 @@ if cuda:
     line += f", NCCL {nccl}, {len(names)} GPU(s): {', '.join(names)}"
 else:
     line += ", no CUDA device visible"
-print(f"[gpu_check] {line}")
+print(f"{int(cuda)} {line}")
 EOF
-HAS_CUDA=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
+)
+HAS_CUDA=${MACHINE%% *}
+say "${MACHINE#* }"
 
 # --- 4. the gpu tests -----------------------------------------------------------------------
 PATHS=()
@@ -161,19 +165,27 @@ if "$PY" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec(
 fi
 
 # --- 6. summary -----------------------------------------------------------------------------
-"$PY" - "$JUNIT" "$TEST_RC" "$HAS_CUDA" "$BENCH" "$BENCH_RC" "$(( $(date +%s) - START ))" <<'EOF'
-import pathlib, sys
+"$PY" - "$JUNIT" "$TEST_RC" "$HAS_CUDA" "$BENCH" "$BENCH_RC" "$(( $(date +%s) - START ))" "$ROOT" <<'EOF'
+import pathlib, re, sys
 import xml.etree.ElementTree as ET
 
-junit, test_rc, has_cuda, bench, bench_rc, elapsed = sys.argv[1:]
+junit, test_rc, has_cuda, bench, bench_rc, elapsed, root = sys.argv[1:]
 test_rc, bench_rc = int(test_rc), int(bench_rc)
-passed, failed, errors, skipped = [], [], [], []
+# Modules this checkout provides: one of them missing is a real failure, not an absent extra.
+folders = [pathlib.Path(root), pathlib.Path(root, "tests"), *pathlib.Path(root, "plugins").glob("*"),
+           *pathlib.Path(root, "plugins").glob("*/tests")]
+ours = {p.stem for folder in folders if folder.is_dir() for p in folder.iterdir()}
+passed, failed, errors, skipped, uncollected = [], [], [], [], []
 if pathlib.Path(junit).is_file():
     for case in ET.parse(junit).getroot().iter("testcase"):
         name = "::".join(filter(None, [case.get("classname"), case.get("name")]))
+        error = case.find("error")
+        missing = re.search(r"No module named '([^']+)'", error.text or "") if error is not None else None
         if case.find("failure") is not None:
             failed.append(name)
-        elif case.find("error") is not None:
+        elif missing and "collection" in (error.get("message") or "") and missing.group(1).split(".")[0] not in ours:
+            uncollected.append((name, missing.group(1).split(".")[0]))
+        elif error is not None:
             errors.append(name)
         elif case.find("skipped") is not None:
             skipped.append(name)
@@ -194,6 +206,11 @@ for name in errors:
     print(f"  ERROR  {name} (collection or fixture error)")
 if failed or errors:
     problems.append(f"{len(failed)} failed, {len(errors)} errors")
+for name, module in uncollected:
+    print(f"  NOT COLLECTED {name}: needs the Python package {module!r}, missing here")
+if uncollected:
+    wheels = " ".join(sorted({module for _, module in uncollected}))
+    print(f"  (their gpu tests, if any, did not run: carry wheels for {wheels} in .whl/)")
 if has_cuda != "1":
     print(f"no CUDA device: {len(skipped)} gpu tests skipped")
 print(f"benchmark: {bench}")
