@@ -42,8 +42,11 @@ def _timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-class _Link:
-    """One sender (rank 0 of its groups) and its receivers (ranks 1..n): ordered messages."""
+class Link:
+    """One sender (rank 0 of its groups) and its receivers (ranks 1..n): ordered messages.
+
+    ``control`` carries headers (always Gloo, on the host); ``data`` carries payloads.
+    """
 
     def __init__(self, control: Any, data: Any, *, rank: int, size: int, broadcast: bool, peer: str) -> None:
         self.control, self.data = control, data
@@ -73,7 +76,7 @@ class _Link:
 class DistributedSender(BucketSender):
     accepts_external_payload = True
 
-    def __init__(self, link: _Link, bucket_size: int, device: torch.device) -> None:
+    def __init__(self, link: Link, bucket_size: int, device: torch.device) -> None:
         self.link = link
         self._buffers = [torch.empty(bucket_size, dtype=torch.uint8, device=device) for _ in range(self.num_slots)]
         self._in_flight: list[list[tuple[Any, Any]]] = [[] for _ in range(self.num_slots)]
@@ -107,7 +110,7 @@ class DistributedSender(BucketSender):
 
 
 class DistributedReceiver(BucketReceiver):
-    def __init__(self, link: _Link, bucket_size: int, device: torch.device) -> None:
+    def __init__(self, link: Link, bucket_size: int, device: torch.device) -> None:
         self.link = link
         self._buffers = [torch.empty(bucket_size, dtype=torch.uint8, device=device) for _ in range(self.num_slots)]
         self._in_flight: list[Any] = [None] * self.num_slots
@@ -193,6 +196,14 @@ class DistributedEngine(BucketedEngine):
     def _buffer_device(self) -> torch.device:
         return torch.device(self.device_type)
 
+    def _new_sender(self, link: Link) -> DistributedSender:
+        """The sender on ``link``; override to specialize packing or posting."""
+        return DistributedSender(link, self.bucket_size, self._buffer_device())
+
+    def _new_receiver(self, link: Link) -> DistributedReceiver:
+        """The receiver on ``link``; override to specialize receiving."""
+        return DistributedReceiver(link, self.bucket_size, self._buffer_device())
+
     # --- rendezvous --------------------------------------------------------------------
 
     def _prepare_transport(self) -> dict[str, Any]:
@@ -244,7 +255,7 @@ class DistributedEngine(BucketedEngine):
             raise PeerLostError(f"rendezvous as {identity} did not complete within {self.timeout_s:g}s: {exc}") from exc
         return store
 
-    def _make_link(self, store: Any, name: str, rank: int, size: int, peer: str) -> _Link:
+    def _make_link(self, store: Any, name: str, rank: int, size: int, peer: str) -> Link:
         prefixed = dist.PrefixStore(f"{name}/", store)
         try:
             control = self._new_control_group(dist.PrefixStore("control/", prefixed), rank, size)
@@ -257,7 +268,7 @@ class DistributedEngine(BucketedEngine):
                 f"forming the {name!r} group with {peer} failed within {self.timeout_s:g}s: {exc}"
             ) from exc
         self._groups.extend({id(control): control, id(data): data}.values())
-        return _Link(control, data, rank=rank, size=size, broadcast=self.topology == "broadcast", peer=peer)
+        return Link(control, data, rank=rank, size=size, broadcast=self.topology == "broadcast", peer=peer)
 
     def _check_topology(self, train_world_size: int, rollout_world_size: int) -> None:
         if self.topology == "paired" and train_world_size < rollout_world_size:
@@ -283,7 +294,7 @@ class DistributedEngine(BucketedEngine):
             if worker_rank >= rollout_world_size:
                 return None
             link = self._make_link(store, f"pair{worker_rank}", 0, 2, f"rollout rank {worker_rank}")
-        return DistributedSender(link, self.bucket_size, self._buffer_device())
+        return self._new_sender(link)
 
     def _connect_rollout(
         self, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
@@ -295,7 +306,7 @@ class DistributedEngine(BucketedEngine):
             link = self._make_link(store, "broadcast", rollout_rank + 1, rollout_world_size + 1, "policy rank 0")
         else:
             link = self._make_link(store, f"pair{rollout_rank}", 1, 2, f"policy rank {rollout_rank}")
-        return DistributedReceiver(link, self.bucket_size, self._buffer_device())
+        return self._new_receiver(link)
 
     def _release_transport(self) -> None:
         groups, self._groups = self._groups, []

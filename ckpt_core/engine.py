@@ -107,7 +107,8 @@ class BucketedEngine(CheckpointEngine):
         pass
 
     def _payload_checksum(self) -> Checksum | None:
-        """The sender's checksum function, or ``None`` to send without one."""
+        """The checksum both sides compute over a bucket's payload, or ``None`` for none.
+        Transports with device buffers return a function that reads device memory."""
         return payload_checksum if self.checksum else None
 
     def _merge_device(self) -> torch.device | str | None:
@@ -196,7 +197,7 @@ class BucketedEngine(CheckpointEngine):
                     context=notifier.context(self._refit_index),
                     notifier=notifier,
                     timeout_s=self.timeout_s,
-                    verify_checksum=self.checksum,
+                    checksum=self._payload_checksum(),
                     merge_device=self._merge_device(),
                     stats=stats,
                 ):

@@ -112,13 +112,14 @@ class _BucketPacker:
         self.bucket_index = 0
         self.chunks: list[TensorMeta] = []
         self.end = 0  # end of the last chunk packed into the open bucket
+        self.slot = 0
         self.buffer = self._acquire_slot()
 
     def _acquire_slot(self) -> torch.Tensor:
-        slot = self.bucket_index % self.sender.num_slots
+        self.slot = self.bucket_index % self.sender.num_slots
         with _timed(self.stats, "transfer_seconds"):
-            self.sender.wait_slot(slot, self.timeout_s)
-        return self.sender.buffer(slot)
+            self.sender.wait_slot(self.slot, self.timeout_s)
+        return self.sender.buffer(self.slot)
 
     async def add(self, meta: TensorMeta, chunk: torch.Tensor) -> None:
         """Pack one chunk, first posting the open bucket if the chunk starts a new one."""
@@ -133,7 +134,7 @@ class _BucketPacker:
             return
         if meta.chunk_size:
             start = time.perf_counter()  # inline, not _timed: this runs once per chunk
-            self.buffer[meta.offset : meta.offset + meta.chunk_size].copy_(chunk)
+            self.sender.pack(self.slot, meta.offset, chunk)
             self.stats.pack_seconds += time.perf_counter() - start
         self.chunks.append(meta)
         self.end = meta.offset + meta.chunk_size
@@ -212,16 +213,18 @@ async def receive_refit(
     context: RefitContext,
     notifier: RefitNotifier,
     timeout_s: float,
-    verify_checksum: bool = True,
+    checksum: Checksum | None = payload_checksum,
     merge_device: torch.device | str | None = None,
     stats: RefitStats | None = None,
 ) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
     """Yield the ``(name, tensor)`` batches of one refit, one batch per bucket that completes
-    tensors. Tensors own their memory. ``stats`` (if given) is filled in as the refit runs."""
+    tensors. Tensors own their memory. ``checksum`` (the sender's function) verifies every
+    bucket whose header carries a digest; ``None`` skips verification. ``stats`` (if given)
+    is filled in as the refit runs."""
     stats = stats if stats is not None else RefitStats()
     start = time.perf_counter()
     notifier.started(context)
-    buckets = _BucketStream(receiver, bucket_size, context, notifier, stats, timeout_s, verify_checksum)
+    buckets = _BucketStream(receiver, bucket_size, context, notifier, stats, timeout_s, checksum)
     try:
         async for batch in merge_weight_chunk_batches(buckets.chunk_batches(), merge_device=merge_device):
             stats.unpack_seconds += time.perf_counter() - buckets.handed_out_at
@@ -246,7 +249,7 @@ class _BucketStream:
         notifier: RefitNotifier,
         stats: RefitStats,
         timeout_s: float,
-        verify_checksum: bool,
+        checksum: Checksum | None,
     ) -> None:
         self.receiver = receiver
         self.bucket_size = bucket_size
@@ -254,7 +257,7 @@ class _BucketStream:
         self.notifier = notifier
         self.stats = stats
         self.timeout_s = timeout_s
-        self.verify_checksum = verify_checksum
+        self.checksum = checksum
         self.handed_out_at = time.perf_counter()
 
     def _next_header(self, bucket_index: int) -> BucketHeader:
@@ -278,9 +281,9 @@ class _BucketStream:
         with _timed(self.stats, "transfer_seconds"):
             self.receiver.wait_payload(slot, self.timeout_s)
         payload = self.receiver.buffer(slot)[: header.payload_nbytes]
-        if self.verify_checksum and header.checksum is not None:
+        if self.checksum is not None and header.checksum is not None:
             with _timed(self.stats, "checksum_seconds"):
-                actual = payload_checksum(payload)
+                actual = self.checksum(payload)
             if actual != header.checksum:
                 raise IntegrityError(
                     f"bucket {header.bucket_index} of refit {header.refit_index} is corrupt: "

@@ -31,6 +31,14 @@ class BucketSender(abc.ABC):
     def buffer(self, slot: int) -> torch.Tensor:
         """The 1-D ``uint8`` buffer of ``slot``, packed by the pipeline."""
 
+    def pack(self, slot: int, offset: int, chunk: torch.Tensor) -> None:
+        """Copy ``chunk`` (1-D ``uint8``) into ``buffer(slot)`` at byte ``offset``.
+
+        Override to pack elsewhere than the caller's stream (a device transport may queue the
+        copy on its own CUDA stream); the copy must be ordered before the slot's ``post``.
+        """
+        self.buffer(slot)[offset : offset + chunk.numel()].copy_(chunk)
+
     @abc.abstractmethod
     def post(
         self, slot: int, header: bytes, nbytes: int, timeout_s: float, payload: torch.Tensor | None = None

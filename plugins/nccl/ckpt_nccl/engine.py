@@ -16,14 +16,14 @@ import torch
 
 from ckpt_core.capabilities import BackendCapabilities
 from ckpt_core.device_checksum import device_payload_checksum
-from ckpt_core.distributed import DistributedEngine
+from ckpt_core.distributed import DistributedEngine, DistributedSender, Link
 from ckpt_core.errors import BackendUnavailableError
 from ckpt_core.pipeline import Checksum
 from ckpt_core.transport import BucketReceiver, BucketSender
 
 from .cuda import CudaPlatform, PackStream, Platform
 from .options import check_options
-from .transport import NcclReceiver, NcclSender, PayloadGroup, check_distinct_gpus, link_members
+from .transport import NcclSender, PayloadGroup, check_distinct_gpus, link_members
 
 
 class NcclCheckpointEngine(DistributedEngine):
@@ -37,8 +37,8 @@ class NcclCheckpointEngine(DistributedEngine):
     return the freed buffer memory from torch's cache to the device; default off),
     ``auth_token`` (shared secret checked at rendezvous, see :mod:`ckpt_core.auth`).
 
-    ``engine.checksum`` is always ``False``: it is the core's host-memory xxh3, which cannot
-    read GPU buffers. ``engine.device_checksum`` holds this engine's ``checksum`` option.
+    Checksums are :func:`ckpt_core.device_checksum.device_payload_checksum` (computed on the
+    GPU), not the core's host-memory xxh3.
     """
 
     backend_name: ClassVar[str] = "nccl"
@@ -88,10 +88,9 @@ class NcclCheckpointEngine(DistributedEngine):
             topology=options.topology,
             host=options.host,
             timeout_s=options.timeout_s,
-            checksum=False,
+            checksum=options.checksum,
             auth_token=auth_token,
         )
-        self.device_checksum = options.checksum
         self.release_buffers = options.release_buffers
         self._pack_stream: PackStream | None = None
 
@@ -112,18 +111,17 @@ class NcclCheckpointEngine(DistributedEngine):
         self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
     ) -> BucketSender | None:
         self._check_link(metadata, "policy", worker_rank, train_world_size, rollout_world_size)
-        sender = super()._connect_policy(worker_rank, train_world_size, rollout_world_size, metadata)
-        if sender is None:
-            return None
-        self._pack_stream = self.platform.new_pack_stream(self.device)
-        return NcclSender(sender, self._pack_stream)
+        return super()._connect_policy(worker_rank, train_world_size, rollout_world_size, metadata)
 
     def _connect_rollout(
         self, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
     ) -> BucketReceiver:
         self._check_link(metadata, "rollout", rollout_rank, train_world_size, rollout_world_size)
-        receiver = super()._connect_rollout(rollout_rank, train_world_size, rollout_world_size, metadata)
-        return NcclReceiver(receiver, device_payload_checksum if self.device_checksum else None)
+        return super()._connect_rollout(rollout_rank, train_world_size, rollout_world_size, metadata)
+
+    def _new_sender(self, link: Link) -> DistributedSender:
+        self._pack_stream = self.platform.new_pack_stream(self.device)
+        return NcclSender(link, self.bucket_size, self.device, self._pack_stream)
 
     def _check_link(
         self, metadata: list[dict[str, Any]], role: str, rank: int, train_world_size: int, rollout_world_size: int
@@ -135,9 +133,11 @@ class NcclCheckpointEngine(DistributedEngine):
     # --- how one buffer moves ----------------------------------------------------------
 
     def _payload_checksum(self) -> Checksum | None:
-        stream = self._pack_stream
-        if not self.device_checksum or stream is None:
+        if not self.checksum:
             return None
+        stream = self._pack_stream
+        if stream is None:  # a receiver: wait_payload already ordered the caller's stream
+            return device_payload_checksum
 
         def on_pack_stream(payload: torch.Tensor) -> int:
             stream.follow_caller()  # after the packing, wherever it was queued

@@ -1,8 +1,7 @@
 """How one bucket moves over NCCL, as thin wrappers around ckpt-core's distributed transport.
 
 * :class:`PayloadGroup` moves every payload as a broadcast from the link's sender.
-* :class:`NcclSender` queues the payload's NCCL send after the sender's device work.
-* :class:`NcclReceiver` verifies each payload's device checksum when it lands.
+* :class:`NcclSender` packs on a dedicated stream and queues each NCCL send after it.
 * :func:`check_distinct_gpus` refuses a link with two members on one GPU before NCCL does.
 
 Stream order, per bucket. Sender: the bucket is packed on the caller's current stream (or on
@@ -13,24 +12,20 @@ stream current at the call); ``wait_slot`` blocks the thread until the send is c
 the slot can then be refilled, and the caller's tensor freed, on any stream.
 Receiver: the NCCL receive waits for the caller's current stream (where the previous use of
 the slot was copied out); ``wait_payload`` blocks the thread until it is complete and orders
-the caller's stream after it.
+the caller's stream after it. The pipeline then verifies the payload's device checksum.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from ckpt_core.errors import EngineOptionError, IntegrityError, WireFormatError
-from ckpt_core.transport import BucketReceiver, BucketSender
+from ckpt_core.distributed import DistributedSender, Link
+from ckpt_core.errors import EngineOptionError, WireFormatError
 
 from .cuda import PackStream
-
-Checksum = Callable[[torch.Tensor], int]
-
 
 class PayloadGroup:
     """A link's payload group in which every payload is a broadcast from the sender.
@@ -64,21 +59,16 @@ class PayloadGroup:
             raise ValueError(f"send/recv on a payload group needs a pair, got peer {peer} in a group of {size}")
 
 
-class NcclSender(BucketSender):
-    """Wraps the core's distributed sender: device work on the pack stream precedes each send."""
+class NcclSender(DistributedSender):
+    """The core's distributed sender, with device work on a pack stream ahead of each send."""
 
-    def __init__(self, inner: BucketSender, stream: PackStream) -> None:
-        self.inner = inner
+    def __init__(self, link: Link, bucket_size: int, device: torch.device, stream: PackStream) -> None:
+        super().__init__(link, bucket_size, device)
         self.stream = stream
-        self.num_slots = inner.num_slots
-        self.accepts_external_payload = inner.accepts_external_payload
-
-    def buffer(self, slot: int) -> torch.Tensor:
-        return self.inner.buffer(slot)
 
     def pack(self, slot: int, offset: int, chunk: torch.Tensor) -> None:
         """Copy ``chunk`` into ``buffer(slot)`` at ``offset`` on the pack stream."""
-        self.stream.pack(self.inner.buffer(slot)[offset : offset + chunk.numel()], chunk)
+        self.stream.pack(self.buffer(slot)[offset : offset + chunk.numel()], chunk)
 
     def post(
         self, slot: int, header: bytes, nbytes: int, timeout_s: float, payload: torch.Tensor | None = None
@@ -87,83 +77,7 @@ class NcclSender(BucketSender):
         packing (wherever it ran) and a ``payload`` the caller produced precede the send."""
         self.stream.follow_caller()
         with self.stream.active():
-            self.inner.post(slot, header, nbytes, timeout_s, payload=payload)
-
-    def wait_slot(self, slot: int, timeout_s: float) -> None:
-        self.inner.wait_slot(slot, timeout_s)
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-class NcclReceiver(BucketReceiver):
-    """Wraps the core's distributed receiver; verifies device checksums as payloads land.
-
-    ckpt-core's pipeline verifies checksums with its host-memory xxh3, which cannot read a
-    GPU buffer, so this engine turns that off and checks the header's device checksum here,
-    in ``wait_payload``, with the same function the sender used.
-    """
-
-    def __init__(self, inner: BucketReceiver, checksum: Checksum | None) -> None:
-        self.inner = inner
-        self.checksum = checksum
-        self.num_slots = inner.num_slots
-        self._announced: _Expected | None = None
-        self._expected: list[_Expected | None] = [None] * inner.num_slots
-
-    def buffer(self, slot: int) -> torch.Tensor:
-        return self.inner.buffer(slot)
-
-    def recv_header(self, timeout_s: float) -> bytes:
-        raw = self.inner.recv_header(timeout_s)
-        self._announced = _expected_checksum(raw) if self.checksum is not None else None
-        return raw
-
-    def post_payload(self, slot: int, nbytes: int, timeout_s: float) -> None:
-        self.inner.post_payload(slot, nbytes, timeout_s)
-        self._expected[slot], self._announced = self._announced, None
-
-    def wait_payload(self, slot: int, timeout_s: float) -> None:
-        self.inner.wait_payload(slot, timeout_s)
-        expected, self._expected[slot] = self._expected[slot], None
-        if expected is None or self.checksum is None:
-            return
-        actual = self.checksum(self.inner.buffer(slot)[: expected.nbytes])
-        if actual != expected.digest:
-            raise IntegrityError(
-                f"bucket {expected.bucket} of refit {expected.refit} is corrupt: device payload "
-                f"checksum {actual:#018x} != header's {expected.digest:#018x} "
-                f"({expected.nbytes} bytes); the refit is void"
-            )
-
-    def release(self, slot: int) -> None:
-        self.inner.release(slot)
-
-    def close(self) -> None:
-        self._expected = [None] * self.num_slots
-        self.inner.close()
-
-
-class _Expected:
-    __slots__ = ("digest", "nbytes", "refit", "bucket")
-
-    def __init__(self, digest: int, nbytes: int, refit: int, bucket: int) -> None:
-        self.digest, self.nbytes, self.refit, self.bucket = digest, nbytes, refit, bucket
-
-
-def _expected_checksum(raw: bytes) -> _Expected | None:
-    """The checksum a header announces, or ``None`` (none sent, or a header the pipeline
-    will refuse with a ``WireFormatError`` before the payload is waited for)."""
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return None
-    if not isinstance(doc, dict):
-        return None
-    fields = [doc.get(name) for name in ("checksum", "nbytes", "refit", "bucket")]
-    if not all(isinstance(value, int) and not isinstance(value, bool) and value >= 0 for value in fields):
-        return None
-    return _Expected(*fields)
+            super().post(slot, header, nbytes, timeout_s, payload=payload)
 
 
 def link_members(topology: str, role: str, rank: int, train_world_size: int, rollout_world_size: int) -> list[int]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ckpt_core.device_checksum import device_payload_checksum
+
 import pytest
 import torch
 
@@ -111,6 +113,7 @@ def test_list_backends_reports_why_it_cannot_run_here():
 
 def test_the_engine_attributes_reflect_the_options():
     engine = HostNcclEngine(bucket_size=4096, checksum=True, release_buffers=True, topology="paired")
-    assert (engine.device_checksum, engine.checksum) == (True, False)  # core's host xxh3 stays off
-    assert engine.release_buffers and engine.topology == "paired"
-    assert HostNcclEngine(bucket_size=4096, checksum=False).device_checksum is False
+    assert engine.checksum and engine.release_buffers and engine.topology == "paired"
+    # Both sides checksum on the device; the core's host-memory xxh3 is never used.
+    assert engine._payload_checksum() is device_payload_checksum
+    assert HostNcclEngine(bucket_size=4096, checksum=False)._payload_checksum() is None
