@@ -31,7 +31,6 @@ import inspect
 import json
 import os
 import time
-import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -48,7 +47,7 @@ import torch
 
 from .coordinator import CallResult, RefitCoordinator, RefitFailedError
 from .errors import EngineOptionError, LifecycleError
-from .launch.protocol import decode, encode
+from .launch.protocol import decode, encode, error_reply
 from .registry import resolve_backend
 from .worker import RefitWorker
 from .workload import WeightsFactory
@@ -187,12 +186,7 @@ class RefitActorMixin:
                 raise ValueError(f"unknown refit call {method!r}; expected one of {', '.join(_ACTOR_CALLS)}")
             reply: dict[str, Any] = {"ok": True, "result": _off_the_loop(lambda: handler(self, **kwargs))}
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the coordinator
-            reply = {
-                "ok": False,
-                "error_type": type(exc).__name__,
-                "message": str(exc),
-                "traceback": traceback.format_exc(),
-            }
+            reply = error_reply(exc)
         return encode(reply).decode()
 
 

@@ -7,6 +7,7 @@ Request: ``{"method": str, "kwargs": {...}}``. Reply: ``{"ok": true, "result": .
 from __future__ import annotations
 
 import json
+import traceback
 from typing import Any
 
 MAX_LINE_BYTES = 256 << 20
@@ -21,3 +22,13 @@ def decode(line: bytes) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise ValueError(f"protocol message must be a JSON object, got {type(message).__name__}")
     return message
+
+
+def error_reply(exc: BaseException) -> dict[str, Any]:
+    """The reply for a call that raised ``exc`` (call from inside its ``except`` block)."""
+    return {
+        "ok": False,
+        "error_type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": traceback.format_exc(),
+    }

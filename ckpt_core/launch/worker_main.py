@@ -11,10 +11,9 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import traceback
 from typing import Any
 
-from ckpt_core.launch.protocol import decode, encode
+from ckpt_core.launch.protocol import decode, encode, error_reply
 from ckpt_core.workload import load_target
 
 
@@ -40,15 +39,7 @@ def serve(in_fd: int, out_fd: int) -> Any:
                     result = getattr(service, method)(**kwargs)
                 _reply(out, {"ok": True, "result": result})
             except Exception as exc:  # noqa: BLE001 - every failure goes back to the coordinator
-                _reply(
-                    out,
-                    {
-                        "ok": False,
-                        "error_type": type(exc).__name__,
-                        "message": str(exc),
-                        "traceback": traceback.format_exc(),
-                    },
-                )
+                _reply(out, error_reply(exc))
     return service
 
 
