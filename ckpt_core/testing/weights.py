@@ -95,3 +95,36 @@ def rank_dependent(params: dict[str, Any], *, refit_index: int, rank: int) -> We
     g = _generator(params, refit_index, rank)
     for i in range(int(params.get("count", 4))):
         yield f"rank_dependent.{i}", random_tensor((int(params.get("elements", 4096)),), torch.float32, g)
+
+
+def empty_and_scalar(params: dict[str, Any], *, refit_index: int, rank: int) -> Weights:
+    """Zero-element and 0-d tensors in every position: first, between data, right after a
+    tensor that ends exactly on a bucket boundary (``params["bucket_size"]``, default 4096),
+    and last. Values of the 0-d tensors change with ``refit_index``."""
+    g = _generator(params, refit_index)
+    bucket = int(params.get("bucket_size", 4096))
+    yield "empty.first", torch.empty(0, dtype=torch.float16)
+    yield "scalar.first.float32", random_tensor((), torch.float32, g)
+    yield "empty.3x0.int64", torch.empty(3, 0, dtype=torch.int64)
+    # After the entries above (the int64 empty is aligned to byte 8) this ends on the boundary.
+    yield "fills.to.boundary", random_tensor((bucket - 8,), torch.uint8, g)
+    yield "empty.after.boundary", torch.empty(0, 5, 2, dtype=torch.bfloat16)
+    for dtype in (torch.bool, torch.int8, torch.float64, torch.complex64, torch.bfloat16):
+        yield f"scalar.{dtype_name(dtype)}", random_tensor((), dtype, g)
+    yield "data.middle", random_tensor((bucket // 4 + 3,), torch.float32, g)
+    yield "empty.between.0", torch.empty(0, dtype=torch.complex128)
+    yield "empty.between.1", torch.empty(0, 0, dtype=torch.uint8)
+    yield "scalar.int64.refit", torch.tensor(refit_index * 1_000_003 + 7, dtype=torch.int64)
+    yield "empty.last", torch.empty(2, 0, 3, dtype=torch.float32)
+
+
+def slow_marked(params: dict[str, Any], *, refit_index: int, rank: int) -> Weights:
+    """:func:`slow`, writing the file ``params["marker"]`` once ``params.get("mark_after", 2)``
+    tensors have been pulled: a test waits for it to know the refit is in flight."""
+    marker = str(params["marker"])
+    mark_after = int(params.get("mark_after", 2))
+    for pulled, item in enumerate(slow(params, refit_index=refit_index, rank=rank)):
+        if pulled == mark_after:
+            with open(marker, "w") as f:
+                f.write(f"{pulled}\n")
+        yield item

@@ -1,0 +1,5 @@
+"""ckpt-my-transport: the ``my_transport`` transport of ckpt-core."""
+
+from .engine import MyTransportEngine
+
+__all__ = ["MyTransportEngine"]

@@ -1,0 +1,111 @@
+"""``MyTransportEngine``: <how peers meet, how one buffer moves, in two sentences>.
+
+A transport built on ``BucketedEngine`` answers two questions only; the core owns packing,
+headers, checksums, double buffering, reassembly, lifecycle checks, hooks and statistics.
+Fill in the four ``_`` methods of the engine and the two classes below (marked TODO), then run
+the conformance kit: ``pytest tests``. docs/writing-a-transport.md in ckpt-engine explains
+each guarantee; examples/tcp_transport there is a complete transport built from this template.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from ckpt_core.capabilities import BackendCapabilities
+from ckpt_core.engine import BucketedEngine
+from ckpt_core.transport import BucketReceiver, BucketSender
+
+
+class MySender(BucketSender):
+    """Policy side. Owns ``num_slots`` buffers of ``bucket_size`` bytes, allocated once."""
+
+    def __init__(self, bucket_size: int) -> None:
+        self._buffers = [torch.empty(bucket_size, dtype=torch.uint8) for _ in range(self.num_slots)]
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        return self._buffers[slot]
+
+    def post(
+        self, slot: int, header: bytes, nbytes: int, timeout_s: float, payload: torch.Tensor | None = None
+    ) -> None:
+        # TODO: start moving `header` and buffer(slot)[:nbytes] to every receiver of this
+        # sender, headers in posting order. Raise PeerLostError / TransferTimeoutError.
+        # (`payload` is only ever given if you set `accepts_external_payload = True`: then
+        # send it instead of the slot's bytes, keeping a reference until wait_slot(slot).)
+        raise NotImplementedError("MySender.post: move one bucket (see the TODO)")
+
+    def wait_slot(self, slot: int, timeout_s: float) -> None:
+        # TODO: block (at most timeout_s) until buffer(slot) may be overwritten.
+        raise NotImplementedError("MySender.wait_slot: wait for a slot's last post (see the TODO)")
+
+    def close(self) -> None:
+        # TODO: release connections too. Must be idempotent.
+        self._buffers = []
+
+
+class MyReceiver(BucketReceiver):
+    """Rollout side. Owns ``num_slots`` buffers of ``bucket_size`` bytes, allocated once."""
+
+    def __init__(self, bucket_size: int) -> None:
+        self._buffers = [torch.empty(bucket_size, dtype=torch.uint8) for _ in range(self.num_slots)]
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        return self._buffers[slot]
+
+    def recv_header(self, timeout_s: float) -> bytes:
+        # TODO: block (at most timeout_s) for the next header's bytes.
+        raise NotImplementedError("MyReceiver.recv_header (see the TODO)")
+
+    def post_payload(self, slot: int, nbytes: int, timeout_s: float) -> None:
+        # TODO: start receiving the last header's payload into buffer(slot)[:nbytes].
+        raise NotImplementedError("MyReceiver.post_payload (see the TODO)")
+
+    def wait_payload(self, slot: int, timeout_s: float) -> None:
+        # TODO: block (at most timeout_s) until buffer(slot) holds the whole payload.
+        raise NotImplementedError("MyReceiver.wait_payload (see the TODO)")
+
+    def close(self) -> None:
+        # TODO: release connections too. Must be idempotent.
+        self._buffers = []
+
+
+class MyTransportEngine(BucketedEngine):
+    """Options: ``bucket_size`` (bytes), ``timeout_s`` (bound on every wait), ``checksum``.
+
+    Add your own options as keyword-only arguments with defaults, validated here with a clear
+    ``EngineOptionError``; ckpt-core checks their names against this signature.
+    """
+
+    backend_name: ClassVar[str] = "my_transport"  # the entry-point name; stamped into metadata
+    capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
+        devices=("cpu",), topologies=("broadcast",), placements=("colocated",)
+    )
+
+    def __init__(self, *, bucket_size: int, timeout_s: float = 300.0, checksum: bool = True) -> None:
+        super().__init__(bucket_size=bucket_size, timeout_s=timeout_s, checksum=checksum)
+
+    def _prepare_transport(self) -> dict[str, Any]:
+        # TODO: open what peers need to reach this worker (its role is not known yet) and
+        # return it as plain JSON data (str, int, float, bool, None, lists, str-keyed dicts).
+        raise NotImplementedError("MyTransportEngine._prepare_transport: advertise this worker (see the TODO)")
+
+    def _connect_policy(
+        self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> BucketSender | None:
+        # TODO: connect to this rank's receivers (metadata: policy entries by rank, then rollout
+        # entries by rank) within timeout_s, and return MySender; or None for a rank that has
+        # no receiver (the core then drains its weights).
+        raise NotImplementedError("MyTransportEngine._connect_policy (see the TODO)")
+
+    def _connect_rollout(
+        self, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> BucketReceiver:
+        # TODO: connect to this rank's sender within timeout_s and return MyReceiver.
+        raise NotImplementedError("MyTransportEngine._connect_rollout (see the TODO)")
+
+    def _release_transport(self) -> None:
+        # TODO: free what _prepare_transport and the _connect methods acquired. Idempotent:
+        # finalize() calls it after failures too, and before prepare() ever ran.
+        pass
