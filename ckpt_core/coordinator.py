@@ -163,7 +163,7 @@ class RefitCoordinator:
         for rank, result in enumerate(rollout):
             source = policy[rank if self.topology == "paired" else 0]["digests"]
             got = result["digests"]
-            if got != source:
+            if list(got.items()) != list(source.items()):  # order matters, not just contents
                 missing = [n for n in source if n not in got]
                 extra = [n for n in got if n not in source]
                 wrong = [n for n in source if n in got and got[n] != source[n]]

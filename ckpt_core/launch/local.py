@@ -65,9 +65,15 @@ class _Worker:
             return f"was killed by signal {signal.Signals(-code).name}"
         return f"exited with status {code}"
 
+    def end_input(self) -> None:
+        """Close the request pipe: the worker exits at end of input."""
+        if self._to_child >= 0:
+            os.close(self._to_child)
+            self._to_child = -1
+
     def close(self, timeout_s: float = 10.0) -> None:
-        """Close the request pipe (the worker exits at end of input), then reap the process."""
-        os.close(self._to_child)
+        """End the worker's input, then reap the process (killing it past ``timeout_s``)."""
+        self.end_input()
         try:
             self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -161,6 +167,8 @@ class LocalProcessPool:
     def close(self) -> None:
         """End every worker's input, then reap it (killing any that does not stop)."""
         workers, self._workers = self._workers, []
+        for worker in workers:  # all at once: each then exits while the others are reaped
+            worker.end_input()
         for worker in workers:
             worker.close()
 
