@@ -26,7 +26,9 @@ from typing import Any, ClassVar
 import torch
 
 from ckpt_core.capabilities import BackendCapabilities
-from ckpt_core.engine import BucketedEngine, check_bool
+from ckpt_core.checksum import payload_checksum
+from ckpt_core.device_checksum import device_payload_checksum
+from ckpt_core.engine import BucketedEngine
 from ckpt_core.errors import (
     AuthenticationError,
     BackendUnavailableError,
@@ -37,6 +39,7 @@ from ckpt_core.errors import (
     TransferTimeoutError,
     WireFormatError,
 )
+from ckpt_core.pipeline import Checksum
 from ckpt_core.transport import BucketReceiver, BucketSender
 
 from .buffers import CudaSlots, HostSlots, import_cupy
@@ -91,8 +94,9 @@ class CudaIpcCheckpointEngine(BucketedEngine):
       rollout maps the policy's buffers on its own device, which must be the policy's GPU or a
       peer-capable one. Rollouts receive tensors on this device.
     * ``timeout_s``: bound on every wait (connecting, each header, each release), default 300.
-    * ``checksum``: xxh3 per bucket. ``None`` (default) means on for ``"cpu"``, off for
-      ``"cuda"`` (the core verifies checksums in host memory only; see README).
+    * ``checksum``: a digest of each bucket, computed by the policy and verified by every
+      rollout (default on): xxh3-64 for host slots, ``ckpt_core.device_checksum`` (computed
+      on the GPU) for CUDA slots.
     * ``socket_dir``: where the private control directory is made (default: the system temp
       directory); must be short enough for a Unix socket path.
     """
@@ -119,7 +123,7 @@ class CudaIpcCheckpointEngine(BucketedEngine):
         bucket_size: int,
         device: str = "cpu",
         timeout_s: float = 300.0,
-        checksum: bool | None = None,
+        checksum: bool = True,
         socket_dir: str | None = None,
     ) -> None:
         owner = type(self).__name__
@@ -129,14 +133,6 @@ class CudaIpcCheckpointEngine(BucketedEngine):
         self.device = _parse_device(owner, device)
         if self.device.type == "cuda":
             self._check_cuda(owner)
-        if checksum is None:
-            checksum = self.device.type == "cpu"
-        elif check_bool(owner, "checksum", checksum) and self.device.type == "cuda":
-            raise EngineOptionError(
-                f"{owner}: checksum=True needs host buffers, but device={device!r} keeps them on the "
-                "GPU (ckpt_core verifies checksums in host memory only); pass checksum=False or leave "
-                "it unset"
-            )
         super().__init__(bucket_size=bucket_size, timeout_s=timeout_s, checksum=checksum)
         if socket_dir is None:
             socket_dir = tempfile.gettempdir()
@@ -300,6 +296,11 @@ class CudaIpcCheckpointEngine(BucketedEngine):
 
     def _release_transport(self) -> None:
         self._close_listener()
+
+    def _payload_checksum(self) -> Checksum | None:
+        if not self.checksum:
+            return None
+        return device_payload_checksum if self.device.type == "cuda" else payload_checksum
 
     def _merge_device(self) -> torch.device | str | None:
         return None  # the slots' device: rollouts get tensors where their buffers are

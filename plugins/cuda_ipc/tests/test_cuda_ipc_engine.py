@@ -166,9 +166,11 @@ def test_bad_options_are_refused_by_name(options: dict[str, Any], match: str) ->
         make(**options)
 
 
-def test_checksum_defaults_on_for_host_buffers() -> None:
-    assert make().checksum is True
-    assert make(checksum=False).checksum is False
+def test_checksum_defaults_on_and_is_the_host_one() -> None:
+    from ckpt_core.checksum import payload_checksum
+
+    assert make()._payload_checksum() is payload_checksum
+    assert make(checksum=False)._payload_checksum() is None
 
 
 # --- rendezvous ----------------------------------------------------------------------------
