@@ -1,6 +1,7 @@
 """CPU-mode throughput of cuda_ipc beside gloo_cpu and a plain memcpy, measured in one run.
 
     python plugins/cuda_ipc/benchmarks/cpu_mode.py [--size 1GiB] [--bucket 64MiB] [--rounds 3]
+        [--checksum on|off|both] [--rollouts 1 2] [--json out.json]
 
 One policy process sends a transformer-shaped state dict to one, then to two rollout
 processes (every tensor checked bit-exact by digest), with checksums on (each backend's
@@ -121,13 +122,15 @@ def main() -> None:
     parser.add_argument("--size", default="1GiB")
     parser.add_argument("--bucket", default="64MiB")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--checksum", choices=("on", "off", "both"), default="both")
+    parser.add_argument("--rollouts", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args()
     size, bucket = parse_size(args.size), parse_size(args.bucket)
     memcpy = Memcpy(size)
     results: dict[str, Any] = {"size_bytes": size, "bucket_size": bucket}
-    for checksum in (True, False):
-        for rollouts in (1, 2):
+    for checksum in {"on": (True,), "off": (False,), "both": (True, False)}[args.checksum]:
+        for rollouts in args.rollouts:
             key = f"1to{rollouts}_checksum_{'on' if checksum else 'off'}"
             result = measure(size, bucket, rollouts, checksum, args.rounds, memcpy)
             results[key] = result

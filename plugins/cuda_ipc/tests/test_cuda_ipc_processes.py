@@ -35,14 +35,14 @@ SHM_PREFIXES = ("ckpt-cuda-ipc", "cuda_ipc", "psm_", "torch_", "sem.")
 
 
 class Workers:
-    """Policy ranks 0, 1 (workers 0, 1) and rollout ranks 0, 1 (workers 2, 3) running cuda_ipc
-    on host buffers, with the descriptor count each had before any engine was used."""
+    """Policy ranks (workers ``0..num_policy-1``) and rollout ranks 0, 1 running cuda_ipc on
+    host buffers, with the descriptor count each had before any engine was used."""
 
-    P0, P1, R0, R1 = range(4)
-
-    def __init__(self, pool: LocalProcessPool) -> None:
+    def __init__(self, pool: LocalProcessPool, num_policy: int) -> None:
         self.pool = pool
         self.baseline = {i: len(descriptors(pool.pid(i))) for i in range(len(pool))}
+        self.P0, self.P1 = 0, 1  # P1 exists only when num_policy == 2
+        self.R0, self.R1 = num_policy, num_policy + 1
 
     def coordinator(self, policy: list[int], rollout: list[int]) -> RefitCoordinator:
         return coordinator_for(self.pool, policy, rollout, CALL_TIMEOUT_S)
@@ -52,19 +52,20 @@ class Workers:
 
 
 @contextmanager
-def workers(socket_dir: Path, timeout_s: float) -> Iterator[Workers]:
-    """Four workers, with /dev/shm and the socket directory checked for leftovers at the end."""
+def workers(socket_dir: Path, timeout_s: float, num_policy: int = 2) -> Iterator[Workers]:
+    """Policy and two rollout workers, with /dev/shm and the socket directory checked for
+    leftovers at the end."""
     shm_before = set(os.listdir("/dev/shm"))
     specs, labels = refit_worker_specs(
         backend="cuda_ipc",
-        num_policy=2,
+        num_policy=num_policy,
         num_rollout=2,
         bucket_size=BUCKET,
         engine_kwargs={"device": "cpu", "timeout_s": timeout_s, "socket_dir": str(socket_dir)},
         weights=WEIGHTS + "every_dtype",
     )
     with LocalProcessPool(specs, labels=labels) as pool:
-        yield Workers(pool)
+        yield Workers(pool, num_policy)
     left = sorted(n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith(SHM_PREFIXES))
     assert not left, f"left in /dev/shm: {left}"
     assert os.listdir(socket_dir) == [], "control sockets or directories were left behind"
@@ -103,9 +104,9 @@ def kill_later(pool: LocalProcessPool, index: int, delay_s: float, sig: int = si
 
 
 def test_one_to_one_every_dtype_five_refits_then_clean(healthy: Workers) -> None:
-    coordinator = healthy.coordinator([Workers.P0], [Workers.R0])
+    coordinator = healthy.coordinator([healthy.P0], [healthy.R0])
     coordinator.setup()
-    assert slot_mappings(healthy.pid(Workers.P0)) and slot_mappings(healthy.pid(Workers.R0)), "both map the slot file"
+    assert slot_mappings(healthy.pid(healthy.P0)) and slot_mappings(healthy.pid(healthy.R0)), "both map the slot file"
     digests = []
     for _ in range(5):
         report = coordinator.refit()  # raises unless every tensor arrived bit-exact
@@ -119,11 +120,11 @@ def test_one_to_one_every_dtype_five_refits_then_clean(healthy: Workers) -> None
     large = coordinator.refit(weights=WEIGHTS + "sized", weights_params={"sizes": [5 * BUCKET + 12, 3 * BUCKET, 0, 1]})
     assert large.rollout[0]["tensors"] == 4 and large.rollout[0]["stats"]["buckets"] >= 9
     coordinator.finalize()
-    assert_released(healthy.pool, [Workers.P0, Workers.R0], healthy.baseline)
+    assert_released(healthy.pool, [healthy.P0, healthy.R0], healthy.baseline)
 
 
 def test_one_policy_process_feeds_two_rollouts(healthy: Workers) -> None:
-    coordinator = healthy.coordinator([Workers.P0], [Workers.R0, Workers.R1])
+    coordinator = healthy.coordinator([healthy.P0], [healthy.R0, healthy.R1])
     coordinator.setup()
     for _ in range(2):
         report = coordinator.refit()
@@ -134,9 +135,9 @@ def test_one_policy_process_feeds_two_rollouts(healthy: Workers) -> None:
 
 
 def test_other_policy_ranks_drain_and_hold_nothing(healthy: Workers) -> None:
-    coordinator = healthy.coordinator([Workers.P0, Workers.P1], [Workers.R0, Workers.R1])
+    coordinator = healthy.coordinator([healthy.P0, healthy.P1], [healthy.R0, healthy.R1])
     coordinator.setup()
-    assert transport_descriptors(healthy.pid(Workers.P1)) == [] and slot_mappings(healthy.pid(Workers.P1)) == []
+    assert transport_descriptors(healthy.pid(healthy.P1)) == [] and slot_mappings(healthy.pid(healthy.P1)) == []
     report = coordinator.refit()
     assert report.policy[1]["stats"] is None  # it sent nothing
     assert all(r["tensors"] == len(report.policy[0]["digests"]) for r in report.rollout)
@@ -147,16 +148,16 @@ def test_other_policy_ranks_drain_and_hold_nothing(healthy: Workers) -> None:
 def test_dead_and_stuck_peers_fail_fast_and_leave_nothing(tmp_path: Path) -> None:
     """One set of processes, failing in turn: a SIGKILLed rollout, a frozen rollout, a
     SIGKILLed policy. Every failure is a typed error naming the peer, well within timeout_s."""
-    timeout_s = 3.0
+    timeout_s = 2.0
     slow = {"count": 60, "nbytes": BUCKET // 2, "delay_s": 0.05}
-    with workers(tmp_path, timeout_s=timeout_s) as group:
+    with workers(tmp_path, timeout_s=timeout_s, num_policy=1) as group:
         pool = group.pool
 
         # 1. Rollout rank 1 is SIGKILLed mid-refit.
-        coordinator = group.coordinator([Workers.P0], [Workers.R0, Workers.R1])
+        coordinator = group.coordinator([group.P0], [group.R0, group.R1])
         coordinator.setup()
         coordinator.refit()
-        timer, sent = kill_later(pool, Workers.R1, delay_s=1.0)
+        timer, sent = kill_later(pool, group.R1, delay_s=1.0)
         with pytest.raises(RefitFailedError) as caught:
             coordinator.refit(weights=WEIGHTS + "slow", weights_params=slow)
         returned = time.monotonic()
@@ -168,15 +169,15 @@ def test_dead_and_stuck_peers_fail_fast_and_leave_nothing(tmp_path: Path) -> Non
         assert "SIGKILL" in failures["rollout rank 1"].message
         # The surviving rollout is told at once instead of waiting out its timeout.
         assert failures["rollout rank 0"].error_type == "RemoteRefitError"
-        assert all(r.ok for r in pool.call([(Workers.P0, "finalize", {}), (Workers.R0, "finalize", {})], CALL_TIMEOUT_S))
-        assert_released(pool, [Workers.P0, Workers.R0], group.baseline)
+        assert all(r.ok for r in pool.call([(group.P0, "finalize", {}), (group.R0, "finalize", {})], CALL_TIMEOUT_S))
+        assert_released(pool, [group.P0, group.R0], group.baseline)
 
         # 2. Rollout rank 0 freezes (SIGSTOP): the policy must give up by itself. The rollout is
-        # resumed only timeout_s + 3 s later, so a refit that still succeeded would mean it did not.
-        coordinator = group.coordinator([Workers.P0], [Workers.R0])
+        # resumed only timeout_s + 2 s later, so a refit that still succeeded would mean it did not.
+        coordinator = group.coordinator([group.P0], [group.R0])
         coordinator.recover()
-        stop, _ = kill_later(pool, Workers.R0, delay_s=0.5, sig=signal.SIGSTOP)
-        resume, _ = kill_later(pool, Workers.R0, delay_s=0.5 + timeout_s + 3, sig=signal.SIGCONT)
+        stop, _ = kill_later(pool, group.R0, delay_s=0.5, sig=signal.SIGSTOP)
+        resume, _ = kill_later(pool, group.R0, delay_s=0.5 + timeout_s + 2, sig=signal.SIGCONT)
         with pytest.raises(RefitFailedError) as caught:
             coordinator.refit(weights=WEIGHTS + "slow", weights_params=slow)
         stop.join()
@@ -190,7 +191,7 @@ def test_dead_and_stuck_peers_fail_fast_and_leave_nothing(tmp_path: Path) -> Non
         # 3. The policy is SIGKILLed mid-refit.
         coordinator.recover()
         coordinator.refit()
-        timer, sent = kill_later(pool, Workers.P0, delay_s=1.0)
+        timer, sent = kill_later(pool, group.P0, delay_s=1.0)
         with pytest.raises(RefitFailedError) as caught:
             coordinator.refit(weights=WEIGHTS + "slow", weights_params=slow)
         returned = time.monotonic()
@@ -199,5 +200,5 @@ def test_dead_and_stuck_peers_fail_fast_and_leave_nothing(tmp_path: Path) -> Non
         failures = failures_by_worker(caught.value)
         assert failures["rollout rank 0"].error_type == "PeerLostError", failures["rollout rank 0"].describe()
         assert "policy rank 0" in failures["rollout rank 0"].message
-        assert pool.call([(Workers.R0, "finalize", {})], CALL_TIMEOUT_S)[0].ok
-        assert_released(pool, [Workers.R0], group.baseline)
+        assert pool.call([(group.R0, "finalize", {})], CALL_TIMEOUT_S)[0].ok
+        assert_released(pool, [group.R0], group.baseline)
