@@ -77,7 +77,10 @@ def refit_gbps(coordinator: RefitCoordinator) -> dict[str, Any]:
 
 
 def measure(size: int, bucket: int, rollouts: int, checksum: bool, rounds: int, memcpy: Memcpy) -> dict[str, Any]:
-    backends = {"cuda_ipc": {"device": "cpu", "checksum": checksum}, "gloo_cpu": {"checksum": checksum}}
+    backends: dict[str, dict[str, Any]] = {
+        "cuda_ipc": {"device": "cpu", "checksum": checksum},
+        "gloo_cpu": {"checksum": checksum},
+    }
     here = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
     with contextlib.ExitStack() as stack:

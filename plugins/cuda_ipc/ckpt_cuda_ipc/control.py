@@ -325,7 +325,7 @@ def sweep_stale(parent: str) -> list[str]:
     and nothing listens on its socket any more; anything else is left alone. Returns what
     was removed.
     """
-    removed = []
+    removed: list[str] = []
     try:
         entries = os.listdir(parent)
     except OSError:

@@ -8,6 +8,7 @@ own engine, socket and mapping. Multi-process behaviour is in test_cuda_ipc_proc
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import socket
@@ -80,8 +81,12 @@ def connect(policy: CudaIpcCheckpointEngine, rollouts: list[CudaIpcCheckpointEng
     ]
     for rank, rollout in enumerate(rollouts):
         calls.append(
-            lambda r=rollout, k=rank: r.init_rollout_process_group(
-                rollout_rank=k, train_world_size=1, rollout_world_size=n, metadata=metadata
+            functools.partial(
+                rollout.init_rollout_process_group,
+                rollout_rank=rank,
+                train_world_size=1,
+                rollout_world_size=n,
+                metadata=metadata,
             )
         )
     Threads(calls).join().raise_first()
@@ -101,7 +106,7 @@ def refit(
     policy: CudaIpcCheckpointEngine, rollouts: list[CudaIpcCheckpointEngine], weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
 ) -> Threads:
     calls: list[Callable[[], Any]] = [lambda: asyncio.run(policy.send_weights(weights()))]
-    calls += [lambda r=r: receive(r) for r in rollouts]
+    calls += [functools.partial(receive, r) for r in rollouts]
     return Threads(calls).join()
 
 
@@ -181,7 +186,7 @@ def test_refits_in_threads_and_cleans_up(sockets: str) -> None:
     connect(policy, rollouts)
     assert os.listdir(sockets) == []  # every listener is gone once all are connected
     for seed in range(3):
-        results = refit(policy, rollouts, lambda s=seed: sample_weights(s)).raise_first()
+        results = refit(policy, rollouts, functools.partial(sample_weights, seed)).raise_first()
         for received in results[1:]:
             assert_same(received, seed)
     assert policy.last_stats is not None and policy.last_stats.buckets > 3
