@@ -263,4 +263,7 @@ class CudaSlots:
             if self._owner:
                 runtime.free(pointer)
             else:
-                runtime.ipcCloseMemHandle(pointer)
+                try:
+                    runtime.ipcCloseMemHandle(pointer)
+                except Exception:  # noqa: BLE001 - the exporter already freed it (it finalized
+                    pass  # first, or died); the mapping is gone either way
