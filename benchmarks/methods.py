@@ -43,6 +43,7 @@ class WorkerSample:
     rss_base_bytes: int
     rss_before_bytes: int
     rss_peak_bytes: int
+    cpu_seconds: float
     stats: dict[str, Any] | None = None
 
 
@@ -61,6 +62,7 @@ def _worker_sample(label: str, role: str, record: dict[str, Any]) -> WorkerSampl
         rss_base_bytes=int(record["rss_base_bytes"]),
         rss_before_bytes=int(record["rss_before_bytes"]),
         rss_peak_bytes=int(record["rss_peak_bytes"]),
+        cpu_seconds=float(record["cpu_seconds"]),
         stats=record.get("stats"),
     )
 

@@ -37,6 +37,7 @@ def plot_throughput(doc: dict[str, Any], path: Path) -> None:
     groups = {f"bucket {format_size(b)}": b for b in buckets}
     fig, axes = plt.subplots(1, len(payloads), figsize=(max(11.0, 6.5 * len(payloads)), 6.0), squeeze=False, sharey=True)
     handles: dict[str, Any] = {}
+    top = 0.0
     for ax, payload in zip(axes[0], payloads):
         mine = [c for c in cases if c["payload"] == payload]
         keys = list(dict.fromkeys(c["key"] for c in mine if c["key"] != "memcpy"))
@@ -57,11 +58,16 @@ def plot_throughput(doc: dict[str, Any], path: Path) -> None:
                               linewidth=2.2 if key in ("gloo_paired", "gloo_broadcast", "ipc_1to1", "ipc_1to2") else 1.2,
                               **_STYLE.get(key, {}))
             handles.setdefault(label, line)
+            top = max(top, max(p[1] for p in points))
         memcpy = [c["gbps"] for c in mine if c["key"] == "memcpy" and c["gbps"] is not None]
         if memcpy:
             label = "memcpy, 1 thread (memory limit)"
-            line = ax.axhline(statistics.median(memcpy), color="black", linewidth=1.5, label=label)
+            limit = statistics.median(memcpy)
+            line = ax.axhline(limit, color="black", linewidth=1.5, label=label)
+            ax.annotate(f"memcpy limit {limit:.2f} GB/s", (0.99, limit), xycoords=("axes fraction", "data"),
+                        ha="right", va="bottom", fontsize=8.5)
             handles.setdefault(label, line)
+            top = max(top, limit)
         ax.set_xscale("log", base=2)
         ax.set_xticks(buckets or [1])
         ax.set_xticklabels([format_size(b) for b in buckets] or [""])
@@ -69,7 +75,8 @@ def plot_throughput(doc: dict[str, Any], path: Path) -> None:
         ax.set_xlabel("bucket size")
         ax.set_title(f"{payload} payload")
         ax.grid(True, alpha=0.3)
-        ax.set_ylim(bottom=0)
+    for ax in axes[0]:
+        ax.set_ylim(0, top * 1.1 if top > 0 else 1.0)
     axes[0][0].set_ylabel("throughput, GB/s (median, end to end)")
     fig.legend(list(handles.values()), list(handles.keys()), loc="lower center", ncol=3, fontsize=8.5, frameon=False)
     fig.suptitle("ckpt-engine refit throughput vs. baselines (same run, round-robin)")

@@ -48,6 +48,7 @@ def summarize_case(record: CaseRecord) -> dict[str, Any]:
         "min_gbps": None,
         "max_gbps": None,
         "memory": None,
+        "cpu_seconds": None,
         "stats": None,
         "ratios": {},
         "error": record.error,
@@ -57,6 +58,7 @@ def summarize_case(record: CaseRecord) -> dict[str, Any]:
         summary["min_gbps"] = payload.payload_bytes / max(seconds) / 1e9
         summary["max_gbps"] = payload.payload_bytes / min(seconds) / 1e9
         summary["memory"] = _memory(record)
+        summary["cpu_seconds"] = _cpu(record)
         summary["stats"] = _stats(record)
     return summary
 
@@ -81,6 +83,18 @@ def _memory(record: CaseRecord) -> dict[str, Any]:
         "receiver_over_payload_bytes": by_role["receiver"],
         "workers": list(workers.values()),
     }
+
+
+def _cpu(record: CaseRecord) -> dict[str, float]:
+    """Median over samples of the CPU seconds of the busiest process of each role."""
+    per_role: dict[str, list[float]] = {}
+    for sample in record.samples:
+        busiest: dict[str, float] = {}
+        for w in sample.workers:
+            busiest[w.role] = max(busiest.get(w.role, 0.0), w.cpu_seconds)
+        for role, seconds in busiest.items():
+            per_role.setdefault(role, []).append(seconds)
+    return {role: statistics.median(values) for role, values in per_role.items()}
 
 
 def _stats(record: CaseRecord) -> dict[str, dict[str, float]] | None:
@@ -245,7 +259,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
         f"{doc['environment']['torch']}; load average {doc['environment']['load_before']} before, "
         f"{doc['environment']['load_after']} after). Medians of {config['reps']} repetitions after a warm-up, "
         "methods measured round-robin; GB/s = 1e9 bytes/s of payload, end to end (first byte the sender "
-        "handles to the last receiver holding every tensor). Ratios compare medians of the same phase.",
+        "handles to the last receiver holding every tensor). Ratios compare medians of the same phase. "
+        "*CPU s* is the CPU time (all threads) of the busiest process of each role during one transfer, "
+        "median: on a shared 2-core machine it shows what a method costs when wall time is noisy.",
         "",
     ]
     for payload in doc["payloads"]:
@@ -297,15 +313,15 @@ def _payload_tables(cases: list[dict[str, Any]], payload: str) -> list[str]:
     lines = [
         f"## {payload} payload",
         "",
-        "| method | shape | bucket | GB/s | x raw Gloo | x memcpy | x naive torch.save | sender MiB over weights "
-        "| receiver MiB over payload |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| method | shape | bucket | GB/s | x raw Gloo | x memcpy | x naive torch.save | CPU s, sender / receiver "
+        "| sender MiB over weights | receiver MiB over payload |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in sorted(refits, key=lambda c: (_order(c["key"]), c["bucket_size"] or 0)):
         memory = c["memory"] or {}
         lines.append(
             f"| {c['label']} | {c['shape']} | {_bucket(c)} | {_gbps(c)} | {_x(c['ratios'].get('raw_gloo'))} | "
-            f"{_x(c['ratios'].get('memcpy'))} | {_x(c['ratios'].get('naive_torch'))} | "
+            f"{_x(c['ratios'].get('memcpy'))} | {_x(c['ratios'].get('naive_torch'))} | {_cpu_text(c)} | "
             f"{_mib_text(memory.get('sender_over_weights_bytes'))} | "
             f"{_mib_text(memory.get('receiver_over_payload_bytes'))} |"
         )
@@ -318,8 +334,8 @@ def _payload_tables(cases: list[dict[str, Any]], payload: str) -> list[str]:
             f"Baselines, {payload} (GB/s measured beside each bucket size's refits; median across them):",
             "",
             "| baseline | shape | " + " | ".join(f"beside {g.removeprefix('bucket ')}" for g in groups)
-            + " | median | sender MiB over weights | receiver MiB over payload |",
-            "| --- | --- | " + " | ".join("---" for _ in groups) + " | --- | --- | --- |",
+            + " | median | CPU s, sender / receiver | sender MiB over weights | receiver MiB over payload |",
+            "| --- | --- | " + " | ".join("---" for _ in groups) + " | --- | --- | --- | --- |",
         ]
         for key in keys:
             row = {c["group"]: c for c in baselines if c["key"] == key}
@@ -329,10 +345,26 @@ def _payload_tables(cases: list[dict[str, Any]], payload: str) -> list[str]:
             memory = [c["memory"] for c in row.values() if c["memory"]]
             lines.append(f"| {any_case['label']} | {any_case['shape']} | "
                          + " | ".join(_gbps(row.get(g)) for g in groups) + f" | {median} | "
+                         f"{_cpu_text(_middle(list(row.values())))} | "
                          f"{_max_mib(memory, 'sender_over_weights_bytes')} | "
                          f"{_max_mib(memory, 'receiver_over_payload_bytes')} |")
     lines.append("")
     return lines
+
+
+def _cpu_text(case: dict[str, Any] | None) -> str:
+    cpu = (case or {}).get("cpu_seconds") or {}
+    if "local" in cpu:
+        return f"{cpu['local']:.2f}"
+    if not cpu:
+        return "n/a"
+    return " / ".join(f"{cpu[r]:.2f}" if r in cpu else "-" for r in ("sender", "receiver"))
+
+
+def _middle(cases: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The case whose GB/s is the median of ``cases`` (for figures that go with it)."""
+    measured = sorted((c for c in cases if c["gbps"] is not None), key=lambda c: c["gbps"])
+    return measured[len(measured) // 2] if measured else None
 
 
 def _max_mib(memory: list[dict[str, Any]], field: str) -> str:

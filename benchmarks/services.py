@@ -3,7 +3,8 @@
 Every service reports when its side of a measurement started and ended as
 ``time.perf_counter()`` stamps: on Linux that is ``CLOCK_MONOTONIC``, one clock for every process
 of the machine, so "sender started" and "last receiver finished" of different processes
-subtract into an end-to-end time. Every service also reports its resident memory: at
+subtract into an end-to-end time. Every service also reports the CPU time its process spent in the call (all threads), and its
+resident memory: at
 construction (``rss_base_bytes``: interpreter and libraries, before any buffer or weight) and its
 peak during the call (``rss_peak_bytes``; the high-water mark is reset first, see
 :mod:`benchmarks.memory`).
@@ -44,11 +45,13 @@ class _Measured:
     def _begin(self) -> dict[str, Any]:
         reset = reset_peak_rss()
         return {"rss_base_bytes": self.rss_base_bytes, "rss_before_bytes": current_rss_bytes(),
-                "peak_is_per_call": reset}
+                "peak_is_per_call": reset, "cpu_seconds": time.process_time()}
 
     @staticmethod
     def _end(record: dict[str, Any]) -> dict[str, Any]:
         record["rss_peak_bytes"] = peak_rss_bytes()
+        # CPU time of every thread of the process (transport threads included) during the call.
+        record["cpu_seconds"] = time.process_time() - record["cpu_seconds"]
         return record
 
 

@@ -56,6 +56,8 @@ def test_tiny_run_writes_a_complete_report(tmp_path: Path) -> None:
     assert refit["stats"]["sender"]["buckets"] >= 2 and refit["stats"]["receiver"]["buckets"] >= 2
     assert refit["ratios"]["raw_gloo"] > 0 and refit["ratios"]["memcpy"] > 0
     assert refit["ratios"]["naive_torch"] is None  # not selected
+    assert refit["cpu_seconds"]["sender"] > 0 and refit["cpu_seconds"]["receiver"] > 0
+    assert cases["memcpy"]["cpu_seconds"]["local"] > 0
     # The receiver holds the whole payload at its peak, so its peak is at least base + payload
     # minus nothing: a negative "over" figure would mean the bookkeeping is wrong.
     assert refit["memory"]["receiver_over_payload_bytes"] >= 0
