@@ -1,0 +1,26 @@
+"""Fixtures of the reliability suite: the shared worker processes.
+
+This folder has no ``__init__.py``: pytest puts it on ``sys.path``, so tests import the
+helper modules here (``rel_team``, ``fault_engines``, ...) by their plain names, and worker
+processes get it on ``PYTHONPATH`` (:func:`rel_team.worker_env`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from rel_team import Team
+
+TEAM_SIZE = 3  # one policy and two rollout ranks at most in any one test
+
+
+@pytest.fixture(scope="session")
+def team() -> Iterator[Team]:
+    """Worker processes shared by every process-level reliability test (see ``rel_team``)."""
+    workers = Team(TEAM_SIZE)
+    try:
+        yield workers
+    finally:
+        workers.close()

@@ -1,0 +1,85 @@
+"""Fault-injecting engines, selected as ``"fault_engines:ClassName"`` backends in tests.
+
+Test tooling only: this module lives under ``tests/reliability`` and reaches worker processes
+through ``PYTHONPATH``; nothing in ``ckpt_core`` or a plugin imports it. Each class is the real
+``gloo_cpu`` engine with one deliberate defect, and keeps ``backend_name = "gloo_cpu"`` so it
+interoperates with plain ``gloo_cpu`` peers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import torch
+
+from ckpt_core.transport import BucketReceiver
+from ckpt_core.wire import decode_header
+from ckpt_gloo_cpu.engine import GlooCpuCheckpointEngine
+
+
+class _CorruptingReceiver(BucketReceiver):
+    """Flips one bit in the middle of bucket ``bucket_index``'s payload once it has arrived
+    (after ``wait_payload``, before the pipeline verifies it), in every refit."""
+
+    def __init__(self, inner: BucketReceiver, bucket_size: int, bucket_index: int) -> None:
+        self.inner = inner
+        self.num_slots = inner.num_slots
+        self.bucket_size = bucket_size
+        self.bucket_index = bucket_index
+        self._posted: dict[int, tuple[int, int]] = {}  # slot -> (bucket index, payload bytes)
+        self._last_bucket = -1
+        self.flipped = 0
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        return self.inner.buffer(slot)
+
+    def recv_header(self, timeout_s: float) -> bytes:
+        raw = self.inner.recv_header(timeout_s)
+        self._last_bucket = decode_header(raw, bucket_size=self.bucket_size).bucket_index
+        return raw
+
+    def post_payload(self, slot: int, nbytes: int, timeout_s: float) -> None:
+        self._posted[slot] = (self._last_bucket, nbytes)
+        self.inner.post_payload(slot, nbytes, timeout_s)
+
+    def wait_payload(self, slot: int, timeout_s: float) -> None:
+        self.inner.wait_payload(slot, timeout_s)
+        bucket, nbytes = self._posted.pop(slot, (-1, 0))
+        if bucket == self.bucket_index and nbytes:
+            payload = self.inner.buffer(slot)
+            payload[nbytes // 2] ^= 0x01
+            self.flipped += 1
+
+    def release(self, slot: int) -> None:
+        self.inner.release(slot)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class CorruptingGlooEngine(GlooCpuCheckpointEngine):
+    """gloo_cpu whose rollout side corrupts one bit of bucket ``corrupt_bucket`` (default 1)
+    in flight, as a bad NIC, DMA engine or memory would."""
+
+    def __init__(self, *, corrupt_bucket: int = 1, **options: Any) -> None:
+        super().__init__(**options)
+        self.corrupt_bucket = corrupt_bucket
+
+    def _connect_rollout(
+        self, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> BucketReceiver:
+        inner = super()._connect_rollout(rollout_rank, train_world_size, rollout_world_size, metadata)
+        return _CorruptingReceiver(inner, self.bucket_size, self.corrupt_bucket)
+
+
+class TruncatingGlooEngine(GlooCpuCheckpointEngine):
+    """gloo_cpu whose rollout side silently drops the last batch of every refit and reports
+    the refit as finished: a buggy receiver the coordinator must not trust."""
+
+    async def receive_weight_batches(self) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
+        previous = None
+        async for batch in super().receive_weight_batches():
+            if previous is not None:
+                yield previous
+            previous = batch
