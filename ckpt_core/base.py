@@ -100,7 +100,7 @@ class TensorMeta:
             raise WireFormatError(f"tensor {name!r}: shape must be a list of ints >= 0, got {shape!r}")
         torch_dtype = dtype_from_name(dtype)
         nbytes = math.prod(shape) * torch_dtype.itemsize
-        if nbytes > MAX_TENSOR_BYTES:
+        if nbytes > MAX_TENSOR_BYTES or any(d > MAX_TENSOR_BYTES for d in shape):
             raise WireFormatError(f"tensor {name!r}: shape {shape} is {nbytes} bytes, over {MAX_TENSOR_BYTES}")
         for field, value in (("chunk_offset", chunk_offset), ("chunk_size", chunk_size)):
             if not _is_uint(value):

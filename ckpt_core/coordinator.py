@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from .errors import TransferError
+from .errors import InvalidArgumentError, LifecycleError, TransferError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +93,7 @@ class RefitCoordinator:
         verify: bool = True,
     ) -> None:
         if num_policy < 1 or num_rollout < 1 or len(pool) != num_policy + num_rollout:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"a pool of {num_policy} policy + {num_rollout} rollout workers is needed, got {len(pool)} workers"
             )
         self.pool = pool
@@ -139,7 +139,7 @@ class RefitCoordinator:
         refit (a ``"module:function"`` target, see :mod:`ckpt_core.workload`).
         """
         if not self._ready:
-            raise RuntimeError("call setup() (again, after a failure: recover()) before refit()")
+            raise LifecycleError("call setup() (again, after a failure: recover()) before refit()")
         index = self._refits_since_init
         policy_kwargs: dict[str, Any] = {"refit_index": index}
         if weights is not None:
@@ -152,16 +152,36 @@ class RefitCoordinator:
             self._ready = False
             raise
         policy, rollout = results[: self.num_policy], results[self.num_policy :]
+        self._check_counts(index, policy, rollout)
         if self.verify:
             self._check_digests(index, policy, rollout)
         self._refits_since_init += 1
         self.weight_version += 1
         return RefitReport(self.weight_version, policy, rollout)
 
+    def _source_rank(self, rollout_rank: int) -> int:
+        return rollout_rank if self.topology == "paired" else 0
+
+    def _check_counts(self, index: int, policy: list[dict[str, Any]], rollout: list[dict[str, Any]]) -> None:
+        """Every rollout rank must report as many tensors as its sender pulled from its weights."""
+        failures = [
+            CallResult.failure(
+                f"rollout rank {rank}",
+                "VerificationError",
+                f"received {result['tensors']} tensors, its sender (policy rank {self._source_rank(rank)}) "
+                f"sent {policy[self._source_rank(rank)]['tensors']}",
+            )
+            for rank, result in enumerate(rollout)
+            if result["tensors"] != policy[self._source_rank(rank)]["tensors"]
+        ]
+        if failures:
+            self._ready = False
+            raise RefitFailedError(f"verifying refit {index}", failures)
+
     def _check_digests(self, index: int, policy: list[dict[str, Any]], rollout: list[dict[str, Any]]) -> None:
         failures = []
         for rank, result in enumerate(rollout):
-            source = policy[rank if self.topology == "paired" else 0]["digests"]
+            source = policy[self._source_rank(rank)]["digests"]
             got = result["digests"]
             if list(got.items()) != list(source.items()):  # order matters, not just contents
                 missing = [n for n in source if n not in got]

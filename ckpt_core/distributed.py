@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import datetime
+import gc
 import socket
 from typing import Any, ClassVar
 
@@ -53,6 +54,11 @@ class Link:
         self.rank, self.size = rank, size
         self.broadcast = broadcast
         self.peer = peer  # who is on the other side, for error messages
+
+    def release(self) -> None:
+        """Drop this link's groups. Gloo closes a group's sockets only when the group object is
+        destroyed (``shutdown()`` does not), and peers notice a failure only then."""
+        self.control = self.data = None
 
     def post(self, group: Any, tensor: torch.Tensor, tag: int) -> Any:
         if self.broadcast:
@@ -107,6 +113,7 @@ class DistributedSender(BucketSender):
     def close(self) -> None:
         self._in_flight = [[] for _ in range(self.num_slots)]
         self._buffers = []
+        self.link.release()
 
 
 class DistributedReceiver(BucketReceiver):
@@ -141,6 +148,7 @@ class DistributedReceiver(BucketReceiver):
     def close(self) -> None:
         self._in_flight = [None] * self.num_slots
         self._buffers = []
+        self.link.release()
 
 
 class DistributedEngine(BucketedEngine):
@@ -310,12 +318,15 @@ class DistributedEngine(BucketedEngine):
 
     def _release_transport(self) -> None:
         groups, self._groups = self._groups, []
-        for group in groups:
+        while groups:
             try:
-                group.shutdown()
+                groups.pop().shutdown()
             except Exception:  # noqa: BLE001 - a group whose peer died may refuse a clean shutdown
                 pass
         self._close_store()
+        # A failed refit's traceback is a reference cycle that can still reach the groups;
+        # collecting it now closes their sockets now, not at some later collection.
+        gc.collect()
 
     def _close_store(self) -> None:
         self._store = None

@@ -26,7 +26,7 @@ import torch
 
 from .base import CheckpointEngine
 from .checksum import payload_checksum
-from .errors import EngineOptionError, LifecycleError, WireFormatError
+from .errors import EngineOptionError, InvalidArgumentError, LifecycleError, WireFormatError
 from .hooks import RefitNotifier
 from .pipeline import Checksum, receive_refit, send_refit
 from .stats import RefitStats, Role
@@ -144,15 +144,29 @@ class BucketedEngine(CheckpointEngine):
     def finalize(self) -> None:
         """Release buffers, connections and groups. Idempotent; ``prepare()`` may follow."""
         try:
+            self._drop_transport()
+        finally:
+            self._state = _State.NEW
+            self._refit_index = 0
+            self._busy = False
+
+    def _drop_transport(self) -> None:
+        try:
             for end in (self._sender, self._receiver):
                 if end is not None:
                     end.close()
             self._release_transport()
         finally:
             self._sender = self._receiver = None
-            self._state = _State.NEW
-            self._refit_index = 0
-            self._busy = False
+
+    def _fail(self) -> None:
+        """A refit failed: the stream is out of step, so drop connections at once. Peers
+        blocked on this worker then fail now instead of waiting out their ``timeout_s``."""
+        self._state = _State.FAILED
+        try:
+            self._drop_transport()
+        except Exception:  # noqa: BLE001 - the refit's own error is what the caller needs
+            pass
 
     async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None]) -> None:
         """Send one refit. Runs the transfer on the calling thread, yielding to the event loop
@@ -177,7 +191,7 @@ class BucketedEngine(CheckpointEngine):
                     checksum=self._payload_checksum(),
                 )
             except BaseException:
-                self._state = _State.FAILED
+                self._fail()
                 raise
             self._refit_index += 1
 
@@ -208,7 +222,7 @@ class BucketedEngine(CheckpointEngine):
                     self.last_stats = stats
                     self._refit_index += 1
                 else:
-                    self._state = _State.FAILED
+                    self._fail()
 
     # --- checks ------------------------------------------------------------------------
 
@@ -250,21 +264,26 @@ class BucketedEngine(CheckpointEngine):
         owner = type(self).__name__
         for label, value in (("train_world_size", train_world_size), ("rollout_world_size", rollout_world_size)):
             if not _is_int(value) or value < 1:
-                raise ValueError(f"{owner}: {label} must be an int >= 1, got {value!r}")
+                raise InvalidArgumentError(f"{owner}: {label} must be an int >= 1, got {value!r}")
         size = train_world_size if role == "policy" else rollout_world_size
         label = "worker_rank" if role == "policy" else "rollout_rank"
         if not _is_int(rank) or not 0 <= rank < size:
-            raise ValueError(f"{owner}: {label} must be an int in [0, {size}), got {rank!r}")
+            raise InvalidArgumentError(f"{owner}: {label} must be an int in [0, {size}), got {rank!r}")
         expected = train_world_size + rollout_world_size
         if not isinstance(metadata, list) or len(metadata) != expected:
             got = len(metadata) if isinstance(metadata, list) else type(metadata).__name__
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{owner}: metadata must be a list of {expected} prepare() results "
                 f"({train_world_size} policy entries, then {rollout_world_size} rollout entries), got {got}"
             )
         for index, entry in enumerate(metadata):
-            if not isinstance(entry, dict) or entry.get("backend") != self.backend_name:
-                found = entry.get("backend") if isinstance(entry, dict) else type(entry).__name__
+            if not isinstance(entry, dict):
+                raise WireFormatError(
+                    f"{owner}: metadata[{index}] is a {type(entry).__name__}, not a mapping: pass each "
+                    "worker's prepare() result unchanged"
+                )
+            if entry.get("backend") != self.backend_name:
+                found = entry.get("backend")
                 raise WireFormatError(
                     f"{owner}: metadata[{index}] comes from backend {found!r}, not "
                     f"{self.backend_name!r}: every worker must use the same backend"
@@ -275,7 +294,7 @@ class BucketedEngine(CheckpointEngine):
                     f"{FORMAT_VERSION}: install the same ckpt-core version on every worker"
                 )
         if metadata[own_index].get("engine_id") != self._engine_id:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{owner}: metadata[{own_index}] is not this engine's prepare() result: order the "
                 "list as policy entries by worker_rank, then rollout entries by rollout_rank"
             )

@@ -31,6 +31,10 @@ class NotAnEngineError(CheckpointEngineError, TypeError):
     """A backend target resolved to something that is not a ``CheckpointEngine`` subclass."""
 
 
+class InvalidArgumentError(CheckpointEngineError, ValueError):
+    """An argument is outside its contract: a bucket size, a rank, a world size, a metadata list."""
+
+
 class EngineOptionError(CheckpointEngineError, TypeError):
     """An engine option is unknown, or of the wrong type or value."""
 

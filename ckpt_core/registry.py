@@ -26,6 +26,7 @@ from .errors import (
     BackendImportError,
     DuplicateBackendError,
     EngineOptionError,
+    InvalidArgumentError,
     NotAnEngineError,
     UnknownBackendError,
 )
@@ -221,7 +222,7 @@ def build_engine(
 ) -> CheckpointEngine:
     """Resolve ``backend``, check the options against its constructor, and construct it."""
     if isinstance(bucket_size_bytes, bool) or not isinstance(bucket_size_bytes, int) or bucket_size_bytes < 1:
-        raise ValueError(f"bucket_size_bytes must be a positive int, got {bucket_size_bytes!r}")
+        raise InvalidArgumentError(f"bucket_size_bytes must be a positive int (bytes), got {bucket_size_bytes!r}")
     engine_class = resolve_backend(backend)
     check_engine_kwargs(engine_class, engine_kwargs)
     return engine_class(bucket_size=bucket_size_bytes, **engine_kwargs)

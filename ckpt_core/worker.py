@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -110,11 +110,12 @@ class RefitWorker:
             factory = load_target(weights) if weights else self.weights
             params = self.weights_params if weights_params is None else weights_params
             assert factory is not None
-            asyncio.run(self.engine.send_weights(iter(factory(params, refit_index=refit_index, rank=self.rank))))
+            source = _Counted(factory(params, refit_index=refit_index, rank=self.rank))
+            asyncio.run(self.engine.send_weights(iter(source)))
             wall = time.perf_counter() - start
             # Digests of the source, computed after the send so they are not in its timing.
             result_digests = digests(factory(params, refit_index=refit_index, rank=self.rank)) if self.verify else {}
-            count = len(result_digests)
+            count = source.count
         elif self.load_weights is not None:
             loaded = asyncio.run(self._receive_into(self.load_weights))
             wall = time.perf_counter() - start
@@ -165,6 +166,19 @@ class RefitWorker:
             self.engine.finalize()
         finally:
             self.engine = self._new_engine()
+
+
+class _Counted:
+    """Iterates ``items`` once, counting what was pulled."""
+
+    def __init__(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._items = items
+        self.count = 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for item in self._items:
+            self.count += 1
+            yield item
 
 
 def refit_worker_specs(

@@ -148,6 +148,9 @@ class LocalProcessPool:
                         reply = worker.read_available()
                     except (EOFError, OSError):
                         reply = {"ok": False, "error_type": "WorkerExited", "message": f"{worker.label} {worker.exit_description()}"}
+                    except ValueError as exc:  # a reply that is not protocol JSON
+                        worker.process.kill()
+                        reply = {"ok": False, "error_type": "ProtocolError", "message": f"{worker.label} sent a malformed reply and was stopped: {exc}"}
                     if reply is None:
                         continue
                     results[position] = CallResult.from_reply(worker.label, reply)

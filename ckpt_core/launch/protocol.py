@@ -18,7 +18,11 @@ def encode(message: dict[str, Any]) -> bytes:
 
 
 def decode(line: bytes) -> dict[str, Any]:
-    message = json.loads(line)
+    """Parse one message; ``ValueError`` for anything that is not a JSON object."""
+    try:
+        message = json.loads(line)
+    except RecursionError:
+        raise ValueError("protocol message is nested too deeply") from None
     if not isinstance(message, dict):
         raise ValueError(f"protocol message must be a JSON object, got {type(message).__name__}")
     return message
