@@ -57,6 +57,11 @@ class HostSlots:
         ]
         self.writable = writable
 
+    @property
+    def mapped(self) -> bool:
+        """Whether this process still maps the file (some view of it is alive somewhere)."""
+        return self._mapping() is not None
+
     @classmethod
     def allocate(cls, bucket_size: int, num_slots: int) -> HostSlots:
         """Create, size, allocate and seal the file, then map it (pages faulted in now, once)."""
@@ -130,7 +135,7 @@ class HostSlots:
         """
         self._views = []
         self.release_fd()
-        if self._mapping() is not None:
+        if self.mapped:
             gc.collect()
 
 

@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ckpt_core.errors import PeerLostError, TransferTimeoutError, WireFormatError
+from ckpt_core.errors import PeerLostError, TransferError, TransferTimeoutError, WireFormatError
 from ckpt_core.wire import MAX_HEADER_BYTES
 
 _PREFIX = struct.Struct("!BI")
@@ -176,6 +176,23 @@ class Channel:
         while (frame := self._pop_frame()) is not None:
             frames.append(frame)
         return frames
+
+    def drain(self) -> list[tuple[Kind, bytes]]:
+        """Whole frames already received or readable without waiting, up to the peer's EOF.
+
+        For reading what a peer said before it closed its end; never raises for a lost peer.
+        """
+        frames = []
+        while True:
+            while (frame := self._pop_frame()) is not None:
+                frames.append(frame)
+            before = len(self._inbox)
+            try:
+                self._fill(None, "reading what it sent before it closed", 0.0)
+            except TransferError:
+                return frames
+            if len(self._inbox) == before:
+                return frames
 
     def _fill(self, timeout_s: float | None, phase: str, total_timeout_s: float) -> None:
         """Read once: waiting up to ``timeout_s``, or not at all when it is ``None``."""

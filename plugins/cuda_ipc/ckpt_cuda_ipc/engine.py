@@ -17,6 +17,7 @@ Lifecycle (what each call does on each side):
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import sys
@@ -143,6 +144,7 @@ class CudaIpcCheckpointEngine(BucketedEngine):
             raise EngineOptionError(f"{owner}: socket_dir {problem}")
         self.socket_dir = socket_dir
         self._listener: Listener | None = None
+        self._host_slots: list[HostSlots] = []  # this engine's host mappings, until unmapped
 
     def _check_cuda(self, owner: str) -> None:
         if not torch.cuda.is_available():
@@ -222,6 +224,7 @@ class CudaIpcCheckpointEngine(BucketedEngine):
         slots: HostSlots | CudaSlots
         if device.type == "cpu":
             slots = HostSlots.allocate(self.bucket_size, NUM_SLOTS)
+            self._host_slots.append(slots)
         else:
             slots = CudaSlots.allocate(device, self.bucket_size, NUM_SLOTS)
         channels: list[Channel] = []
@@ -275,8 +278,9 @@ class CudaIpcCheckpointEngine(BucketedEngine):
             if self.device.type == "cpu":
                 if len(fds) != 1:
                     raise WireFormatError(f"{_ROLLOUT_PEER} sent {len(fds)} descriptors with its welcome, expected 1")
-                fd = fds.pop()
-                slots: HostSlots | CudaSlots = HostSlots.attach(fd, buffers, self.bucket_size, NUM_SLOTS)
+                host = HostSlots.attach(fds.pop(), buffers, self.bucket_size, NUM_SLOTS)
+                self._host_slots.append(host)
+                slots: HostSlots | CudaSlots = host
             else:
                 slots = CudaSlots.attach(buffers, self._buffer_device(), self.bucket_size, NUM_SLOTS)
         except BaseException as exc:
@@ -296,6 +300,12 @@ class CudaIpcCheckpointEngine(BucketedEngine):
 
     def _release_transport(self) -> None:
         self._close_listener()
+        # A refit that failed dropped its transport while its traceback, still alive then,
+        # held views of the host slots in a reference cycle; collect it now so the mapping
+        # goes with finalize().
+        if any(slots.mapped for slots in self._host_slots):
+            gc.collect()
+        self._host_slots = [slots for slots in self._host_slots if slots.mapped]
 
     def _payload_checksum(self) -> Checksum | None:
         if not self.checksum:

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import torch
 
-from ckpt_core.errors import RemoteRefitError, TransferError, WireFormatError
+from ckpt_core.errors import PeerLostError, RemoteRefitError, TransferError, WireFormatError
 from ckpt_core.transport import BucketReceiver, BucketSender
 from ckpt_core.wire import decode_header
 
@@ -180,7 +180,19 @@ class IpcReceiver(BucketReceiver):
 
     def release(self, slot: int) -> None:
         self.slots.consumed()
-        self.channel.send(Kind.RELEASE, bytes([slot]), Deadline(self.timeout_s), f"releasing slot {slot}")
+        try:
+            self.channel.send(Kind.RELEASE, bytes([slot]), Deadline(self.timeout_s), f"releasing slot {slot}")
+        except PeerLostError as exc:
+            self._raise_reason(exc)
+
+    def _raise_reason(self, lost_error: PeerLostError) -> NoReturn:
+        """The policy closed its end: if it said why before it did, raise that instead."""
+        for kind, body in self.channel.drain():
+            if kind is Kind.CONTROL:
+                message = decode_json(body, self.channel.peer)
+                if message["type"] == "error":
+                    raise RemoteRefitError(f"{self.channel.peer} abandoned the refit: {message.get('reason')}") from lost_error
+        raise lost_error
 
     def close(self) -> None:
         if self._closed:
