@@ -14,8 +14,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,6 +26,7 @@ from cuda_ipc_helpers import coordinator_for, descriptors, slot_mappings, transp
 BUCKET = 8192
 WEIGHTS = "ckpt_core.testing.weights:"
 CALL_TIMEOUT_S = 60.0
+TIMEOUT_S = 4.0  # the engines' timeout_s: short, since the last test waits it out on purpose
 # Names that this plugin, Python's multiprocessing or torch would give a /dev/shm segment. Other
 # engineers' tests run beside these and may create their own names meanwhile; what our workers
 # map is checked exactly, through /proc (see slot_mappings).
@@ -35,14 +34,14 @@ SHM_PREFIXES = ("ckpt-cuda-ipc", "cuda_ipc", "psm_", "torch_", "sem.")
 
 
 class Workers:
-    """Policy ranks (workers ``0..num_policy-1``) and rollout ranks 0, 1 running cuda_ipc on
-    host buffers, with the descriptor count each had before any engine was used."""
+    """Policy ranks 0, 1 (workers 0, 1) and rollout ranks 0, 1 (workers 2, 3) running cuda_ipc
+    on host buffers, with the descriptor count each had before any engine was used."""
 
-    def __init__(self, pool: LocalProcessPool, num_policy: int) -> None:
+    P0, P1, R0, R1 = range(4)
+
+    def __init__(self, pool: LocalProcessPool) -> None:
         self.pool = pool
         self.baseline = {i: len(descriptors(pool.pid(i))) for i in range(len(pool))}
-        self.P0, self.P1 = 0, 1  # P1 exists only when num_policy == 2
-        self.R0, self.R1 = num_policy, num_policy + 1
 
     def coordinator(self, policy: list[int], rollout: list[int]) -> RefitCoordinator:
         return coordinator_for(self.pool, policy, rollout, CALL_TIMEOUT_S)
@@ -51,31 +50,26 @@ class Workers:
         return self.pool.pid(index)
 
 
-@contextmanager
-def workers(socket_dir: Path, timeout_s: float, num_policy: int = 2) -> Iterator[Workers]:
-    """Policy and two rollout workers, with /dev/shm and the socket directory checked for
-    leftovers at the end."""
+@pytest.fixture(scope="module")
+def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workers]:
+    """Policy ranks 0, 1 and rollout ranks 0, 1, shared by this module's tests (worker start-up
+    dominates their time). The last test kills some of them. At the end nothing may be left in
+    /dev/shm or in the socket directory."""
+    socket_dir = tmp_path_factory.mktemp("sockets")
     shm_before = set(os.listdir("/dev/shm"))
     specs, labels = refit_worker_specs(
         backend="cuda_ipc",
-        num_policy=num_policy,
+        num_policy=2,
         num_rollout=2,
         bucket_size=BUCKET,
-        engine_kwargs={"device": "cpu", "timeout_s": timeout_s, "socket_dir": str(socket_dir)},
+        engine_kwargs={"device": "cpu", "timeout_s": TIMEOUT_S, "socket_dir": str(socket_dir)},
         weights=WEIGHTS + "every_dtype",
     )
     with LocalProcessPool(specs, labels=labels) as pool:
-        yield Workers(pool, num_policy)
+        yield Workers(pool)
     left = sorted(n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith(SHM_PREFIXES))
     assert not left, f"left in /dev/shm: {left}"
     assert os.listdir(socket_dir) == [], "control sockets or directories were left behind"
-
-
-@pytest.fixture(scope="module")
-def healthy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workers]:
-    """Workers shared by the tests that leave every process alive."""
-    with workers(tmp_path_factory.mktemp("sockets"), timeout_s=30) as group:
-        yield group
 
 
 def assert_released(pool: LocalProcessPool, indices: range | list[int], baseline: dict[int, int]) -> None:
@@ -103,10 +97,10 @@ def kill_later(pool: LocalProcessPool, index: int, delay_s: float, sig: int = si
     return timer, sent
 
 
-def test_one_to_one_every_dtype_five_refits_then_clean(healthy: Workers) -> None:
-    coordinator = healthy.coordinator([healthy.P0], [healthy.R0])
+def test_one_to_one_every_dtype_five_refits_then_clean(group: Workers) -> None:
+    coordinator = group.coordinator([group.P0], [group.R0])
     coordinator.setup()
-    assert slot_mappings(healthy.pid(healthy.P0)) and slot_mappings(healthy.pid(healthy.R0)), "both map the slot file"
+    assert slot_mappings(group.pid(group.P0)) and slot_mappings(group.pid(group.R0)), "both map the slot file"
     digests = []
     for _ in range(5):
         report = coordinator.refit()  # raises unless every tensor arrived bit-exact
@@ -120,85 +114,84 @@ def test_one_to_one_every_dtype_five_refits_then_clean(healthy: Workers) -> None
     large = coordinator.refit(weights=WEIGHTS + "sized", weights_params={"sizes": [5 * BUCKET + 12, 3 * BUCKET, 0, 1]})
     assert large.rollout[0]["tensors"] == 4 and large.rollout[0]["stats"]["buckets"] >= 9
     coordinator.finalize()
-    assert_released(healthy.pool, [healthy.P0, healthy.R0], healthy.baseline)
+    assert_released(group.pool, [group.P0, group.R0], group.baseline)
 
 
-def test_one_policy_process_feeds_two_rollouts(healthy: Workers) -> None:
-    coordinator = healthy.coordinator([healthy.P0], [healthy.R0, healthy.R1])
+def test_one_policy_process_feeds_two_rollouts(group: Workers) -> None:
+    coordinator = group.coordinator([group.P0], [group.R0, group.R1])
     coordinator.setup()
     for _ in range(2):
         report = coordinator.refit()
         assert [r["tensors"] for r in report.rollout] == [len(report.policy[0]["digests"])] * 2
     coordinator.refit(weights=WEIGHTS + "sized", weights_params={"sizes": [4 * BUCKET + 2, 2 * BUCKET + 6]})
     coordinator.finalize()
-    assert_released(healthy.pool, range(4), healthy.baseline)
+    assert_released(group.pool, range(4), group.baseline)
 
 
-def test_other_policy_ranks_drain_and_hold_nothing(healthy: Workers) -> None:
-    coordinator = healthy.coordinator([healthy.P0, healthy.P1], [healthy.R0, healthy.R1])
+def test_other_policy_ranks_drain_and_hold_nothing(group: Workers) -> None:
+    coordinator = group.coordinator([group.P0, group.P1], [group.R0, group.R1])
     coordinator.setup()
-    assert transport_descriptors(healthy.pid(healthy.P1)) == [] and slot_mappings(healthy.pid(healthy.P1)) == []
+    assert transport_descriptors(group.pid(group.P1)) == [] and slot_mappings(group.pid(group.P1)) == []
     report = coordinator.refit()
     assert report.policy[1]["stats"] is None  # it sent nothing
     assert all(r["tensors"] == len(report.policy[0]["digests"]) for r in report.rollout)
     coordinator.finalize()
-    assert_released(healthy.pool, range(4), healthy.baseline)
+    assert_released(group.pool, range(4), group.baseline)
 
 
-def test_dead_and_stuck_peers_fail_fast_and_leave_nothing(tmp_path: Path) -> None:
+def test_dead_and_stuck_peers_fail_fast_and_leave_nothing(group: Workers) -> None:
     """One set of processes, failing in turn: a SIGKILLed rollout, a frozen rollout, a
     SIGKILLed policy. Every failure is a typed error naming the peer, well within timeout_s."""
-    timeout_s = 2.0
-    slow = {"count": 60, "nbytes": BUCKET // 2, "delay_s": 0.05}
-    with workers(tmp_path, timeout_s=timeout_s, num_policy=1) as group:
-        pool = group.pool
+    timeout_s = TIMEOUT_S
+    slow = {"count": 100, "nbytes": BUCKET // 2, "delay_s": 0.05}
+    pool = group.pool
 
-        # 1. Rollout rank 1 is SIGKILLed mid-refit.
-        coordinator = group.coordinator([group.P0], [group.R0, group.R1])
-        coordinator.setup()
-        coordinator.refit()
-        timer, sent = kill_later(pool, group.R1, delay_s=1.0)
-        with pytest.raises(RefitFailedError) as caught:
-            coordinator.refit(weights=WEIGHTS + "slow", weights_params=slow)
-        returned = time.monotonic()
-        timer.join()
-        assert returned - sent[0] < timeout_s + 5
-        failures = failures_by_worker(caught.value)
-        assert failures["policy rank 0"].error_type == "PeerLostError", failures["policy rank 0"].describe()
-        assert "rollout rank 1" in failures["policy rank 0"].message
-        assert "SIGKILL" in failures["rollout rank 1"].message
-        # The surviving rollout is told at once instead of waiting out its timeout.
-        assert failures["rollout rank 0"].error_type == "RemoteRefitError"
-        assert all(r.ok for r in pool.call([(group.P0, "finalize", {}), (group.R0, "finalize", {})], CALL_TIMEOUT_S))
-        assert_released(pool, [group.P0, group.R0], group.baseline)
+    # 1. Rollout rank 1 is SIGKILLed mid-refit.
+    coordinator = group.coordinator([group.P0], [group.R0, group.R1])
+    coordinator.setup()
+    coordinator.refit()
+    timer, sent = kill_later(pool, group.R1, delay_s=1.0)
+    with pytest.raises(RefitFailedError) as caught:
+        coordinator.refit(weights=WEIGHTS + "slow", weights_params=slow)
+    returned = time.monotonic()
+    timer.join()
+    assert returned - sent[0] < timeout_s + 5
+    failures = failures_by_worker(caught.value)
+    assert failures["policy rank 0"].error_type == "PeerLostError", failures["policy rank 0"].describe()
+    assert "rollout rank 1" in failures["policy rank 0"].message
+    assert "SIGKILL" in failures["rollout rank 1"].message
+    # The surviving rollout is told at once instead of waiting out its timeout.
+    assert failures["rollout rank 0"].error_type == "RemoteRefitError"
+    assert all(r.ok for r in pool.call([(group.P0, "finalize", {}), (group.R0, "finalize", {})], CALL_TIMEOUT_S))
+    assert_released(pool, [group.P0, group.R0], group.baseline)
 
-        # 2. Rollout rank 0 freezes (SIGSTOP): the policy must give up by itself. The rollout is
-        # resumed only timeout_s + 2 s later, so a refit that still succeeded would mean it did not.
-        coordinator = group.coordinator([group.P0], [group.R0])
-        coordinator.recover()
-        stop, _ = kill_later(pool, group.R0, delay_s=0.5, sig=signal.SIGSTOP)
-        resume, _ = kill_later(pool, group.R0, delay_s=0.5 + timeout_s + 2, sig=signal.SIGCONT)
-        with pytest.raises(RefitFailedError) as caught:
-            coordinator.refit(weights=WEIGHTS + "slow", weights_params=slow)
-        stop.join()
-        resume.join()
-        failures = failures_by_worker(caught.value)
-        policy_failure = failures["policy rank 0"]
-        assert policy_failure.error_type == "TransferTimeoutError", policy_failure.describe()
-        assert "rollout rank 0" in policy_failure.message and f"timeout_s={timeout_s:g}" in policy_failure.message
-        assert failures["rollout rank 0"].error_type == "RemoteRefitError"
+    # 2. Rollout rank 0 freezes (SIGSTOP): the policy must give up by itself. The rollout is
+    # resumed only timeout_s + 2 s later, so a refit that still succeeded would mean it did not.
+    coordinator = group.coordinator([group.P0], [group.R0])
+    coordinator.recover()
+    stop, _ = kill_later(pool, group.R0, delay_s=0.5, sig=signal.SIGSTOP)
+    resume, _ = kill_later(pool, group.R0, delay_s=0.5 + timeout_s + 2, sig=signal.SIGCONT)
+    with pytest.raises(RefitFailedError) as caught:
+        coordinator.refit(weights=WEIGHTS + "slow", weights_params=slow)
+    stop.join()
+    resume.join()
+    failures = failures_by_worker(caught.value)
+    policy_failure = failures["policy rank 0"]
+    assert policy_failure.error_type == "TransferTimeoutError", policy_failure.describe()
+    assert "rollout rank 0" in policy_failure.message and f"timeout_s={timeout_s:g}" in policy_failure.message
+    assert failures["rollout rank 0"].error_type == "RemoteRefitError"
 
-        # 3. The policy is SIGKILLed mid-refit.
-        coordinator.recover()
-        coordinator.refit()
-        timer, sent = kill_later(pool, group.P0, delay_s=1.0)
-        with pytest.raises(RefitFailedError) as caught:
-            coordinator.refit(weights=WEIGHTS + "slow", weights_params=slow)
-        returned = time.monotonic()
-        timer.join()
-        assert returned - sent[0] < timeout_s + 5
-        failures = failures_by_worker(caught.value)
-        assert failures["rollout rank 0"].error_type == "PeerLostError", failures["rollout rank 0"].describe()
-        assert "policy rank 0" in failures["rollout rank 0"].message
-        assert pool.call([(group.R0, "finalize", {})], CALL_TIMEOUT_S)[0].ok
-        assert_released(pool, [group.R0], group.baseline)
+    # 3. The policy is SIGKILLed mid-refit.
+    coordinator.recover()
+    coordinator.refit()
+    timer, sent = kill_later(pool, group.P0, delay_s=1.0)
+    with pytest.raises(RefitFailedError) as caught:
+        coordinator.refit(weights=WEIGHTS + "slow", weights_params=slow)
+    returned = time.monotonic()
+    timer.join()
+    assert returned - sent[0] < timeout_s + 5
+    failures = failures_by_worker(caught.value)
+    assert failures["rollout rank 0"].error_type == "PeerLostError", failures["rollout rank 0"].describe()
+    assert "policy rank 0" in failures["rollout rank 0"].message
+    assert pool.call([(group.R0, "finalize", {})], CALL_TIMEOUT_S)[0].ok
+    assert_released(pool, [group.R0], group.baseline)
