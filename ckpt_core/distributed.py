@@ -67,10 +67,19 @@ class Link:
             return group.send([tensor], 1, tag)
         return group.recv([tensor], 0, tag)
 
-    def wait(self, work: Any, timeout_s: float, phase: str) -> None:
+    def wait(self, pending: list[Any], timeout_s: float, phase: str) -> None:
+        """Wait for every work in ``pending``, emptying it, with our error types.
+
+        Works are taken from a list the caller owns, never held in a local: a failed wait's
+        traceback outlives the wait, and a work it still referenced would keep the group's
+        sockets open (peers would learn of the failure only at their own timeout).
+        """
         try:
-            work.wait(_timedelta(timeout_s))
+            while pending:
+                pending[0].wait(_timedelta(timeout_s))
+                pending.pop(0)
         except RuntimeError as exc:
+            pending.clear()
             text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             if "timed out" in text.lower() or "timeout" in text.lower():
                 raise TransferTimeoutError(
@@ -85,7 +94,8 @@ class DistributedSender(BucketSender):
     def __init__(self, link: Link, bucket_size: int, device: torch.device) -> None:
         self.link = link
         self._buffers = [torch.empty(bucket_size, dtype=torch.uint8, device=device) for _ in range(self.num_slots)]
-        self._in_flight: list[list[tuple[Any, Any]]] = [[] for _ in range(self.num_slots)]
+        self._in_flight: list[list[Any]] = [[] for _ in range(self.num_slots)]
+        self._sending: list[list[torch.Tensor]] = [[] for _ in range(self.num_slots)]
 
     def buffer(self, slot: int) -> torch.Tensor:
         return self._buffers[slot]
@@ -96,22 +106,22 @@ class DistributedSender(BucketSender):
         length = torch.tensor([len(header)], dtype=torch.int64)
         encoded = torch.frombuffer(bytearray(header), dtype=torch.uint8)
         link = self.link
-        works = [
-            (link.post(link.control, length, _LENGTH_TAG), length),
-            (link.post(link.control, encoded, _HEADER_TAG), encoded),
-        ]
+        works = [link.post(link.control, length, _LENGTH_TAG), link.post(link.control, encoded, _HEADER_TAG)]
+        tensors = [length, encoded]  # alive until the sends complete
         if nbytes:
             data = self._buffers[slot][:nbytes] if payload is None else payload
-            works.append((link.post(link.data, data, _PAYLOAD_TAG), data))
+            works.append(link.post(link.data, data, _PAYLOAD_TAG))
+            tensors.append(data)
         self._in_flight[slot] = works
+        self._sending[slot] = tensors
 
     def wait_slot(self, slot: int, timeout_s: float) -> None:
-        works, self._in_flight[slot] = self._in_flight[slot], []
-        for work, _keepalive in works:
-            self.link.wait(work, timeout_s, "sending a bucket")
+        self.link.wait(self._in_flight[slot], timeout_s, "sending a bucket")
+        self._sending[slot] = []
 
     def close(self) -> None:
         self._in_flight = [[] for _ in range(self.num_slots)]
+        self._sending = [[] for _ in range(self.num_slots)]
         self._buffers = []
         self.link.release()
 
@@ -120,7 +130,7 @@ class DistributedReceiver(BucketReceiver):
     def __init__(self, link: Link, bucket_size: int, device: torch.device) -> None:
         self.link = link
         self._buffers = [torch.empty(bucket_size, dtype=torch.uint8, device=device) for _ in range(self.num_slots)]
-        self._in_flight: list[Any] = [None] * self.num_slots
+        self._in_flight: list[list[Any]] = [[] for _ in range(self.num_slots)]
         self._length = torch.empty(1, dtype=torch.int64)
 
     def buffer(self, slot: int) -> torch.Tensor:
@@ -128,25 +138,23 @@ class DistributedReceiver(BucketReceiver):
 
     def recv_header(self, timeout_s: float) -> bytes:
         link = self.link
-        link.wait(link.post(link.control, self._length, _LENGTH_TAG), timeout_s, "receiving a bucket header")
+        link.wait([link.post(link.control, self._length, _LENGTH_TAG)], timeout_s, "receiving a bucket header")
         length = int(self._length[0])
         if not 0 < length <= MAX_HEADER_BYTES:
             raise WireFormatError(f"bucket header length {length} is outside (0, {MAX_HEADER_BYTES}]")
         encoded = torch.empty(length, dtype=torch.uint8)
-        link.wait(link.post(link.control, encoded, _HEADER_TAG), timeout_s, "receiving a bucket header")
+        link.wait([link.post(link.control, encoded, _HEADER_TAG)], timeout_s, "receiving a bucket header")
         return encoded.numpy().tobytes()
 
     def post_payload(self, slot: int, nbytes: int, timeout_s: float) -> None:
         if nbytes:
-            self._in_flight[slot] = self.link.post(self.link.data, self._buffers[slot][:nbytes], _PAYLOAD_TAG)
+            self._in_flight[slot] = [self.link.post(self.link.data, self._buffers[slot][:nbytes], _PAYLOAD_TAG)]
 
     def wait_payload(self, slot: int, timeout_s: float) -> None:
-        work, self._in_flight[slot] = self._in_flight[slot], None
-        if work is not None:
-            self.link.wait(work, timeout_s, "receiving a bucket payload")
+        self.link.wait(self._in_flight[slot], timeout_s, "receiving a bucket payload")
 
     def close(self) -> None:
-        self._in_flight = [None] * self.num_slots
+        self._in_flight = [[] for _ in range(self.num_slots)]
         self._buffers = []
         self.link.release()
 

@@ -86,7 +86,7 @@ def test_the_sender_pipeline_packs_checksums_and_sends_into_a_one_rank_link():
     """send_refit through NcclSender into a one-member link: packing, sending straight from a
     tensor, the device checksum on the pack stream and the NCCL broadcast under it all run;
     every bucket's bytes are where the chunk layout says."""
-    from ckpt_core.distributed import DistributedSender, Link
+    from ckpt_core.distributed import Link
     from ckpt_core.hooks import RefitNotifier
     from ckpt_core.pipeline import send_refit
 
@@ -101,7 +101,7 @@ def test_the_sender_pipeline_packs_checksums_and_sends_into_a_one_rank_link():
     data = PayloadGroup(platform.new_group(dist.PrefixStore("data/", store), 0, 1, device=device, timeout_s=60.0))
     link = Link(control, data, rank=0, size=1, broadcast=True, peer="nobody")
     stream = platform.new_pack_stream(device)
-    sender = NcclSender(DistributedSender(link, bucket_size, device), stream)
+    sender = NcclSender(link, bucket_size, device, stream)
     assert sender.accepts_external_payload
     weights = _weights_on_gpu(device)
     buckets: list[torch.Tensor] = []
