@@ -152,9 +152,9 @@ class RefitCoordinator:
             self._ready = False
             raise
         policy, rollout = results[: self.num_policy], results[self.num_policy :]
-        self._check_counts(index, policy, rollout)
-        if self.verify:
+        if self.verify:  # digests name what is missing, extra or different
             self._check_digests(index, policy, rollout)
+        self._check_counts(index, policy, rollout)
         self._refits_since_init += 1
         self.weight_version += 1
         return RefitReport(self.weight_version, policy, rollout)
