@@ -30,8 +30,7 @@ from typing import Any
 import torch
 
 from .dtypes import check_transferable, dtype_from_name, dtype_name
-from .errors import ChunkStreamError, UnsupportedTensorError, WireFormatError
-from .host_memory import HUGE_PAGE_THRESHOLD, empty_host
+from .errors import UnsupportedTensorError, WireFormatError
 
 __all__ = [
     "CheckpointEngine",
@@ -306,101 +305,15 @@ async def merge_weight_chunk_batches(
     length differs from its ``chunk_size``, or a stream that ends mid-tensor raise
     ``ChunkStreamError`` naming the tensor and the byte offsets.
     """
-    device = torch.device(merge_device) if merge_device is not None else None
-    pending: _PartialTensor | None = None
+    from .assembly import ChunkAssembler  # assembly builds on TensorMeta, defined above
+
+    assembler = ChunkAssembler(torch.device(merge_device) if merge_device is not None else None)
     async for batch in chunk_batches:
         done: list[tuple[str, torch.Tensor]] = []
         for meta, chunk in batch:
-            if pending is None:
-                whole = _small_whole_tensor(meta, chunk, device)
-                if whole is not None:
-                    done.append((meta.name, whole))
-                    continue
-                pending = _PartialTensor.start(meta, chunk, device)
-            pending.add(meta, chunk)
-            if pending.complete:
-                done.append((meta.name, pending.tensor))
-                pending = None
+            tensor = assembler.plan(meta, chunk.device).fill(chunk)
+            if tensor is not None:
+                done.append((meta.name, tensor))
         if done:
             yield done
-    if pending is not None:
-        raise ChunkStreamError(
-            f"chunk stream ended in the middle of tensor {pending.meta.name!r}: received bytes "
-            f"[0, {pending.filled}) of {pending.meta.nbytes}"
-        )
-
-
-def _small_whole_tensor(meta: TensorMeta, chunk: torch.Tensor, device: torch.device | None) -> torch.Tensor | None:
-    """Fast path for a small tensor carried whole by one chunk: one clone instead of an
-    allocation plus a copy. ``None`` when the general path applies (or must report an error)."""
-    if (
-        meta.chunk_offset != 0
-        or meta.chunk_size != meta.nbytes
-        or meta.nbytes >= HUGE_PAGE_THRESHOLD
-        or (device is not None and chunk.device != device)
-        or chunk.dtype != torch.uint8
-        or chunk.dim() != 1
-        or chunk.numel() != meta.chunk_size
-    ):
-        return None
-    return chunk.clone().view(meta.dtype).reshape(meta.shape)
-
-
-class _PartialTensor:
-    """A tensor being assembled from consecutive chunks."""
-
-    def __init__(self, meta: TensorMeta, tensor: torch.Tensor) -> None:
-        self.meta = meta
-        self.tensor = tensor
-        self.filled = 0
-        self._bytes = tensor.reshape(-1).view(torch.uint8)
-
-    @classmethod
-    def start(
-        cls, meta: TensorMeta, chunk: torch.Tensor, device: torch.device | None
-    ) -> _PartialTensor:
-        if meta.chunk_offset != 0:
-            raise ChunkStreamError(
-                f"tensor {meta.name!r} starts at byte {meta.chunk_offset} instead of 0: "
-                f"bytes [0, {meta.chunk_offset}) are missing or arrived out of order"
-            )
-        target = device if device is not None else chunk.device
-        if target.type == "cpu":
-            return cls(meta, empty_host(meta.shape, meta.dtype))
-        return cls(meta, torch.empty(meta.shape, dtype=meta.dtype, device=target))
-
-    @property
-    def complete(self) -> bool:
-        return self.filled == self.meta.nbytes
-
-    def add(self, meta: TensorMeta, chunk: torch.Tensor) -> None:
-        first = self.meta
-        if (meta.name, meta.shape, meta.dtype) != (first.name, first.shape, first.dtype):
-            raise ChunkStreamError(
-                f"tensor {first.name!r} ({list(first.shape)}, {dtype_name(first.dtype)}) is "
-                f"incomplete at byte {self.filled} of {first.nbytes}, but the next chunk is "
-                f"for {meta.name!r} ({list(meta.shape)}, {dtype_name(meta.dtype)}) at byte "
-                f"{meta.chunk_offset}"
-            )
-        if meta.chunk_offset != self.filled:
-            kind = "gap" if meta.chunk_offset > self.filled else "overlap"
-            raise ChunkStreamError(
-                f"tensor {first.name!r}: {kind} in chunk stream, expected a chunk at byte "
-                f"{self.filled}, got one at byte {meta.chunk_offset} "
-                f"(size {meta.chunk_size}, tensor size {first.nbytes})"
-            )
-        end = meta.chunk_offset + meta.chunk_size
-        if end > first.nbytes:
-            raise ChunkStreamError(
-                f"tensor {first.name!r}: chunk [{meta.chunk_offset}, {end}) runs past the "
-                f"tensor's {first.nbytes} bytes"
-            )
-        if chunk.dtype != torch.uint8 or chunk.dim() != 1 or chunk.numel() != meta.chunk_size:
-            raise ChunkStreamError(
-                f"tensor {first.name!r}: chunk at byte {meta.chunk_offset} must be a 1-D uint8 "
-                f"tensor of {meta.chunk_size} bytes, got {chunk.dtype} of shape "
-                f"{list(chunk.shape)}"
-            )
-        if meta.chunk_size:
-            self._bytes[meta.chunk_offset : end].copy_(chunk)
-        self.filled = end
+    assembler.finish()

@@ -1,0 +1,150 @@
+"""Rebuilding whole tensors from their chunks, in stream order.
+
+:class:`ChunkAssembler` is the one place that decides where each chunk's bytes belong and
+checks that a chunk stream is well formed. It works in two steps, so a transport can receive
+a chunk straight into the tensor it belongs to:
+
+1. :meth:`ChunkAssembler.plan` takes a chunk's ``TensorMeta`` (before its bytes exist),
+   checks it against the tensor being assembled, allocates that tensor at its first chunk,
+   and returns a :class:`Landing`: the byte range of the output tensor the chunk fills.
+2. :meth:`Landing.fill` copies the chunk's bytes there, unless they were received there
+   already, and returns the finished tensor when the chunk was its last.
+
+``merge_weight_chunk_batches`` runs both steps per chunk; the refit pipeline plans a whole
+bucket when its header arrives and fills it once its payload has been verified.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import TensorMeta
+from .dtypes import dtype_name
+from .errors import ChunkStreamError
+from .host_memory import HUGE_PAGE_THRESHOLD, empty_host
+
+
+class Landing:
+    """Where one planned chunk goes: ``target``, a 1-D ``uint8`` view of its bytes in the
+    output tensor, or ``None`` for a small tensor carried whole by this chunk (it is cloned
+    from the chunk, one allocation and copy instead of two steps)."""
+
+    __slots__ = ("meta", "target", "_output", "_device")
+
+    def __init__(
+        self, meta: TensorMeta, target: torch.Tensor | None, output: torch.Tensor | None, device: torch.device | None
+    ) -> None:
+        self.meta = meta
+        self.target = target
+        self._output = output  # set when this chunk completes an allocated tensor
+        self._device = device
+
+    def fill(self, chunk: torch.Tensor) -> torch.Tensor | None:
+        """Copy ``chunk`` (1-D ``uint8``, ``meta.chunk_size`` bytes) into place; returns the
+        whole tensor if this chunk completes it. ``ChunkStreamError`` for a malformed chunk."""
+        meta = self.meta
+        if chunk.dtype != torch.uint8 or chunk.dim() != 1 or chunk.numel() != meta.chunk_size:
+            raise ChunkStreamError(
+                f"tensor {meta.name!r}: chunk at byte {meta.chunk_offset} must be a 1-D uint8 "
+                f"tensor of {meta.chunk_size} bytes, got {chunk.dtype} of shape {list(chunk.shape)}"
+            )
+        if self.target is None:
+            whole = chunk.clone() if self._device is None else chunk.to(self._device, copy=True)
+            return whole.view(meta.dtype).reshape(meta.shape)
+        if meta.chunk_size:
+            self.target.copy_(chunk)
+        return self._output
+
+    def landed(self) -> torch.Tensor | None:
+        """The chunk's bytes were received into ``target`` directly: the whole tensor if
+        this chunk completes it."""
+        return self._output
+
+
+class _Partial:
+    """A tensor whose chunks are being planned: bytes ``[0, planned)`` have a place."""
+
+    __slots__ = ("meta", "tensor", "bytes", "planned")
+
+    def __init__(self, meta: TensorMeta, tensor: torch.Tensor) -> None:
+        self.meta = meta
+        self.tensor = tensor
+        self.bytes = tensor.reshape(-1).view(torch.uint8)
+        self.planned = 0
+
+
+class ChunkAssembler:
+    """Plans the chunks of one stream; outputs live on ``device`` (``None``: each tensor on
+    the device its first chunk is on, given to :meth:`plan` as ``chunk_device``)."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self._device = device
+        self._pending: _Partial | None = None
+
+    @property
+    def device(self) -> torch.device | None:
+        return self._device
+
+    def plan(self, meta: TensorMeta, chunk_device: torch.device, *, in_place: bool = False) -> Landing:
+        """Place the next chunk of the stream. ``in_place``: the caller will receive the bytes
+        into ``Landing.target`` itself, so the chunk always gets a target.
+
+        Raises ``ChunkStreamError`` for a chunk that disagrees with the tensor being assembled
+        (name, shape or dtype), leaves a gap, overlaps, or runs past the tensor's end.
+        """
+        pending = self._pending
+        if pending is None:
+            if meta.chunk_offset != 0:
+                raise ChunkStreamError(
+                    f"tensor {meta.name!r} starts at byte {meta.chunk_offset} instead of 0: "
+                    f"bytes [0, {meta.chunk_offset}) are missing or arrived out of order"
+                )
+            device = self._device if self._device is not None else chunk_device
+            nbytes = meta.nbytes
+            if not in_place and meta.chunk_size == nbytes and nbytes < HUGE_PAGE_THRESHOLD:
+                move_to = None if device == chunk_device else device
+                return Landing(meta, None, None, move_to)
+            pending = self._pending = _Partial(meta, _allocate(meta, device))
+        first = pending.meta
+        if (meta.name, meta.shape, meta.dtype) != (first.name, first.shape, first.dtype):
+            raise ChunkStreamError(
+                f"tensor {first.name!r} ({list(first.shape)}, {dtype_name(first.dtype)}) is "
+                f"incomplete at byte {pending.planned} of {first.nbytes}, but the next chunk is "
+                f"for {meta.name!r} ({list(meta.shape)}, {dtype_name(meta.dtype)}) at byte "
+                f"{meta.chunk_offset}"
+            )
+        if meta.chunk_offset != pending.planned:
+            kind = "gap" if meta.chunk_offset > pending.planned else "overlap"
+            raise ChunkStreamError(
+                f"tensor {first.name!r}: {kind} in chunk stream, expected a chunk at byte "
+                f"{pending.planned}, got one at byte {meta.chunk_offset} "
+                f"(size {meta.chunk_size}, tensor size {first.nbytes})"
+            )
+        end = meta.chunk_offset + meta.chunk_size
+        if end > first.nbytes:
+            raise ChunkStreamError(
+                f"tensor {first.name!r}: chunk [{meta.chunk_offset}, {end}) runs past the "
+                f"tensor's {first.nbytes} bytes"
+            )
+        pending.planned = end
+        output = None
+        if end == first.nbytes:
+            output = pending.tensor
+            self._pending = None
+        return Landing(meta, pending.bytes[meta.chunk_offset : end], output, None)
+
+    def finish(self) -> None:
+        """The stream ended: ``ChunkStreamError`` if a tensor is still incomplete."""
+        pending = self._pending
+        if pending is not None:
+            self._pending = None
+            raise ChunkStreamError(
+                f"chunk stream ended in the middle of tensor {pending.meta.name!r}: received bytes "
+                f"[0, {pending.planned}) of {pending.meta.nbytes}"
+            )
+
+
+def _allocate(meta: TensorMeta, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return empty_host(meta.shape, meta.dtype)
+    return torch.empty(meta.shape, dtype=meta.dtype, device=device)
