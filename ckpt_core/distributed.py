@@ -13,8 +13,9 @@ Topologies:
 * ``paired``: one two-member group per pair (policy rank ``i``, rollout rank ``i``). Needs at
   least as many policy as rollout ranks; policy ranks without a partner drain their weights.
 
-Per bucket: the header's length (one int64), the header bytes, then the payload, each a
-send/recv (paired) or a broadcast (broadcast). Headers travel on the control group (always
+Per bucket: the header's length (one int64), the header bytes, the packed payload, then each
+direct chunk (received straight into its output tensor), each a send/recv (paired) or a
+broadcast (broadcast). Headers travel on the control group (always
 Gloo, on the host); payloads on the data group (Gloo for host buffers, NCCL for device ones).
 """
 
@@ -24,6 +25,7 @@ import abc
 import datetime
 import gc
 import socket
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -89,7 +91,7 @@ class Link:
 
 
 class DistributedSender(BucketSender):
-    accepts_external_payload = True
+    direct_chunks = True
 
     def __init__(self, link: Link, bucket_size: int, device: torch.device) -> None:
         self.link = link
@@ -101,15 +103,15 @@ class DistributedSender(BucketSender):
         return self._buffers[slot]
 
     def post(
-        self, slot: int, header: bytes, nbytes: int, timeout_s: float, payload: torch.Tensor | None = None
+        self, slot: int, header: bytes, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()
     ) -> None:
         length = torch.tensor([len(header)], dtype=torch.int64)
         encoded = torch.frombuffer(bytearray(header), dtype=torch.uint8)
         link = self.link
         works = [link.post(link.control, length, _LENGTH_TAG), link.post(link.control, encoded, _HEADER_TAG)]
         tensors = [length, encoded]  # alive until the sends complete
-        if nbytes:
-            data = self._buffers[slot][:nbytes] if payload is None else payload
+        payloads = [self._buffers[slot][:nbytes], *direct] if nbytes else list(direct)
+        for data in payloads:
             works.append(link.post(link.data, data, _PAYLOAD_TAG))
             tensors.append(data)
         self._in_flight[slot] = works
@@ -127,6 +129,8 @@ class DistributedSender(BucketSender):
 
 
 class DistributedReceiver(BucketReceiver):
+    direct_chunks = True
+
     def __init__(self, link: Link, bucket_size: int, device: torch.device) -> None:
         self.link = link
         self._buffers = [torch.empty(bucket_size, dtype=torch.uint8, device=device) for _ in range(self.num_slots)]
@@ -146,9 +150,12 @@ class DistributedReceiver(BucketReceiver):
         link.wait([link.post(link.control, encoded, _HEADER_TAG)], timeout_s, "receiving a bucket header")
         return encoded.numpy().tobytes()
 
-    def post_payload(self, slot: int, nbytes: int, timeout_s: float) -> None:
-        if nbytes:
-            self._in_flight[slot] = [self.link.post(self.link.data, self._buffers[slot][:nbytes], _PAYLOAD_TAG)]
+    def post_payload(
+        self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()
+    ) -> None:
+        link = self.link
+        targets = [self._buffers[slot][:nbytes], *direct] if nbytes else list(direct)
+        self._in_flight[slot] = [link.post(link.data, target, _PAYLOAD_TAG) for target in targets]
 
     def wait_payload(self, slot: int, timeout_s: float) -> None:
         self.link.wait(self._in_flight[slot], timeout_s, "receiving a bucket payload")

@@ -1,30 +1,42 @@
 """The refit pipeline every transport shares: pack, describe, move, verify, reassemble.
 
-Sender: ``split_weight_chunks`` lays chunks out in buckets; each chunk is copied into the
-transport's slot buffer at its (dtype-aligned) bucket offset; the full slot is checksummed and
-posted with its header; packing then continues in the other slot while the first is in flight
-(double buffering). The last bucket carries ``last=True``, so a refit of no tensors is one
-empty bucket.
+Sender: ``split_weight_chunks`` lays chunks out in buckets. A chunk of at least
+``direct_min_bytes`` goes *direct* when the transport allows it (``direct_chunks``): it is sent
+from the caller's tensor as a message of its own. Every other chunk is copied into the
+transport's slot buffer, packed at the next offset aligned to its element size. Each bucket is
+checksummed and posted with its header; packing then continues in the other slot while the
+first is in flight (double buffering). The last bucket carries ``last=True``, so a refit of no
+tensors is one empty bucket.
 
-Receiver: for each header, the payload is posted into its slot; while it arrives, the previous
-bucket is verified and reassembled by ``merge_weight_chunk_batches``, which copies tensors out
-before the slot is released back to the sender.
+Receiver: each header is planned by a :class:`~ckpt_core.assembly.ChunkAssembler` as soon as it
+arrives: output tensors are allocated, and direct chunks are received straight into them. While
+bucket ``k`` arrives, bucket ``k - 1`` is verified, its packed chunks are copied out of their
+slot, the slot is released to the sender, and the tensors it completed are yielded (a transport
+whose payloads are readable as soon as their header arrives has each bucket finished at once).
 
 A sender whose weights fail mid-stream (its generator raises, a weight is not a tensor, a name
 repeats) posts an ``abort`` header, so receivers fail at once with ``RemoteRefitError`` instead
 of timing out.
+
+The sender reads a yielded tensor until the bucket holding its last chunk has been delivered
+(direct chunks are sent from it), so weights must not be modified in place while
+``send_refit`` runs; a generator that refills one buffer must yield a copy of it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import struct
 import time
-from collections.abc import AsyncGenerator, Callable, Generator, Iterator
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
+import xxhash
 
-from .base import TensorMeta, merge_weight_chunk_batches, split_weight_chunks
+from .assembly import ChunkAssembler, Landing
+from .base import TensorMeta, split_weight_chunks
 from .checksum import payload_checksum
 from .errors import (
     IntegrityError,
@@ -34,11 +46,34 @@ from .errors import (
     WireFormatError,
 )
 from .hooks import RefitNotifier
+from .host_memory import prefault
 from .stats import RefitContext, RefitStats
 from .transport import BucketReceiver, BucketSender
 from .wire import BucketHeader, decode_header, encode_header
 
 Checksum = Callable[[torch.Tensor], int]
+"""A digest of one 1-D ``uint8`` tensor's bytes."""
+
+DIRECT_MIN_BYTES = 1 << 20
+"""Chunks this large go direct: one more message costs less than copying them in and out."""
+
+
+def direct_min_bytes(bucket_size: int) -> int:
+    """The smallest chunk sent direct: ``DIRECT_MIN_BYTES``, or a quarter of a smaller bucket
+    (so small test buckets exercise both paths)."""
+    return min(DIRECT_MIN_BYTES, max(1, bucket_size // 4))
+
+
+def bucket_digest(checksum: Checksum, parts: Sequence[torch.Tensor]) -> int:
+    """One digest for a bucket's parts: its packed payload, then each direct chunk.
+
+    A bucket without direct chunks is digested as its payload alone; otherwise the digest is
+    xxh3_64 over every part's length and digest, so a part moved, resized or swapped changes it.
+    """
+    if len(parts) == 1:
+        return checksum(parts[0])
+    words = [value for part in parts for value in (part.numel(), checksum(part))]
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(words)}Q", *words))
 
 
 @contextmanager
@@ -48,6 +83,18 @@ def _timed(stats: RefitStats, field: str) -> Iterator[None]:
         yield
     finally:
         setattr(stats, field, getattr(stats, field) + time.perf_counter() - start)
+
+
+@dataclasses.dataclass
+class _Refit:
+    """What both sides of one refit share."""
+
+    bucket_size: int
+    context: RefitContext
+    notifier: RefitNotifier
+    stats: RefitStats
+    timeout_s: float
+    checksum: Checksum | None
 
 
 async def send_refit(
@@ -61,10 +108,11 @@ async def send_refit(
     checksum: Checksum | None = payload_checksum,
 ) -> RefitStats:
     """Send every weight of one refit through ``sender``; returns this sender's statistics."""
-    stats = RefitStats()
+    refit = _Refit(bucket_size, context, notifier, RefitStats(), timeout_s, checksum)
+    stats = refit.stats
     start = time.perf_counter()
     notifier.started(context)
-    packer = _BucketPacker(sender, bucket_size, context, notifier, stats, timeout_s, checksum)
+    packer = _BucketPacker(sender, refit)
     try:
         seen: set[str] = set()
         for meta, chunk in split_weight_chunks(weights, bucket_size):
@@ -92,97 +140,82 @@ async def send_refit(
 class _BucketPacker:
     """Fills slot buffers in turn and posts each bucket as it closes."""
 
-    def __init__(
-        self,
-        sender: BucketSender,
-        bucket_size: int,
-        context: RefitContext,
-        notifier: RefitNotifier,
-        stats: RefitStats,
-        timeout_s: float,
-        checksum: Checksum | None,
-    ) -> None:
+    def __init__(self, sender: BucketSender, refit: _Refit) -> None:
         self.sender = sender
-        self.bucket_size = bucket_size
-        self.context = context
-        self.notifier = notifier
-        self.stats = stats
-        self.timeout_s = timeout_s
-        self.checksum = checksum
+        self.refit = refit
+        self.stats = refit.stats
+        self.direct_min = direct_min_bytes(refit.bucket_size) if sender.direct_chunks else None
         self.bucket_index = 0
         self.chunks: list[TensorMeta] = []
-        self.end = 0  # end of the last chunk packed into the open bucket
+        self.direct: list[torch.Tensor] = []
+        self.layout_end = 0  # end of the last chunk in split_weight_chunks' layout of this bucket
+        self.packed_end = 0  # end of the last chunk packed into the slot
         self.slot = 0
         self.buffer = self._acquire_slot()
 
     def _acquire_slot(self) -> torch.Tensor:
         self.slot = self.bucket_index % self.sender.num_slots
         with _timed(self.stats, "transfer_seconds"):
-            self.sender.wait_slot(self.slot, self.timeout_s)
+            self.sender.wait_slot(self.slot, self.refit.timeout_s)
         return self.sender.buffer(self.slot)
 
     async def add(self, meta: TensorMeta, chunk: torch.Tensor) -> None:
-        """Pack one chunk, first posting the open bucket if the chunk starts a new one."""
+        """Pack (or queue as direct) one chunk, first posting the open bucket if the chunk
+        starts a new one in ``split_weight_chunks``' layout."""
         assert meta.offset is not None
-        if meta.offset < self.end:
+        if meta.offset < self.layout_end:
             await self._post(last=False)
-        if self._fills_bucket_alone(meta, chunk):
-            self.chunks.append(meta)
-            self.end = meta.chunk_size
-            self.stats.payload_bytes += meta.chunk_size
-            await self._post(last=False, direct=chunk)
+        self.layout_end = meta.offset + meta.chunk_size
+        self.stats.payload_bytes += meta.chunk_size
+        if self.direct_min is not None and meta.chunk_size >= self.direct_min and chunk.device == self.buffer.device:
+            self.chunks.append(dataclasses.replace(meta, offset=None))
+            self.direct.append(chunk)
             return
+        # Packed chunks close up the room direct chunks left, keeping their alignment; they
+        # never move past their place in the layout, so the slot cannot overflow.
+        itemsize = meta.dtype.itemsize
+        align = itemsize if itemsize <= self.refit.bucket_size else 1
+        offset = -(-self.packed_end // align) * align
         if meta.chunk_size:
             start = time.perf_counter()  # inline, not _timed: this runs once per chunk
-            self.sender.pack(self.slot, meta.offset, chunk)
+            self.sender.pack(self.slot, offset, chunk)
             self.stats.pack_seconds += time.perf_counter() - start
-        self.chunks.append(meta)
-        self.end = meta.offset + meta.chunk_size
-        self.stats.payload_bytes += meta.chunk_size
-
-    def _fills_bucket_alone(self, meta: TensorMeta, chunk: torch.Tensor) -> bool:
-        """A chunk that leaves no room for another element in its bucket can be sent from
-        where it is, when the transport allows it, instead of being copied into a slot."""
-        return (
-            self.sender.accepts_external_payload
-            and meta.offset == 0
-            and self.end == 0
-            and self.bucket_size - meta.chunk_size < meta.dtype.itemsize
-            and chunk.device == self.buffer.device
-        )
+        self.chunks.append(meta if offset == meta.offset else dataclasses.replace(meta, offset=offset))
+        self.packed_end = offset + meta.chunk_size
 
     async def finish(self) -> None:
         await self._post(last=True)
         for slot in range(self.sender.num_slots):
             with _timed(self.stats, "transfer_seconds"):
-                self.sender.wait_slot(slot, self.timeout_s)
+                self.sender.wait_slot(slot, self.refit.timeout_s)
 
-    async def _post(self, *, last: bool, direct: torch.Tensor | None = None) -> None:
-        """Post the open bucket: the slot's bytes, or ``direct`` (a chunk sent from its source)."""
-        payload = self.buffer[: self.end] if direct is None else direct
+    async def _post(self, *, last: bool) -> None:
+        """Post the open bucket: the slot's packed bytes, then its direct chunks."""
+        refit = self.refit
         digest = None
-        if self.checksum is not None:
+        if refit.checksum is not None:
             with _timed(self.stats, "checksum_seconds"):
-                digest = self.checksum(payload)
+                digest = bucket_digest(refit.checksum, [self.buffer[: self.packed_end], *self.direct])
         header = BucketHeader(
-            refit_index=self.context.refit_index,
+            refit_index=refit.context.refit_index,
             bucket_index=self.bucket_index,
-            payload_nbytes=self.end,
+            payload_nbytes=self.packed_end,
             last=last,
             chunks=tuple(self.chunks),
             checksum=digest,
         )
-        slot = self.bucket_index % self.sender.num_slots
         with _timed(self.stats, "transfer_seconds"):
-            if direct is None:
-                self.sender.post(slot, encode_header(header), self.end, self.timeout_s)
+            if self.direct:
+                self.sender.post(self.slot, encode_header(header), self.packed_end, refit.timeout_s, self.direct)
             else:
-                self.sender.post(slot, encode_header(header), self.end, self.timeout_s, payload=direct)
-        self.notifier.bucket_sent(self.context, self.bucket_index, self.end, len(self.chunks))
+                self.sender.post(self.slot, encode_header(header), self.packed_end, refit.timeout_s)
+        nbytes = self.packed_end + sum(chunk.numel() for chunk in self.direct)
+        refit.notifier.bucket_sent(refit.context, self.bucket_index, nbytes, len(self.chunks))
         self.stats.buckets += 1
         self.bucket_index += 1
         self.chunks = []
-        self.end = 0
+        self.direct = []
+        self.layout_end = self.packed_end = 0
         if not last:
             self.buffer = self._acquire_slot()
             await asyncio.sleep(0)  # let the caller's event loop breathe between buckets
@@ -190,18 +223,19 @@ class _BucketPacker:
     def abort(self, message: str) -> None:
         """Tell receivers this refit is void. Best effort: the refit is failing anyway."""
         header = BucketHeader(
-            refit_index=self.context.refit_index,
+            refit_index=self.refit.context.refit_index,
             bucket_index=self.bucket_index,
             payload_nbytes=0,
             last=True,
             abort=message[:4000],
         )
         slot = self.bucket_index % self.sender.num_slots
+        timeout_s = self.refit.timeout_s
         try:
-            self.sender.wait_slot(slot, self.timeout_s)
-            self.sender.post(slot, encode_header(header), 0, self.timeout_s)
+            self.sender.wait_slot(slot, timeout_s)
+            self.sender.post(slot, encode_header(header), 0, timeout_s)
             for other in range(self.sender.num_slots):
-                self.sender.wait_slot(other, self.timeout_s)
+                self.sender.wait_slot(other, timeout_s)
         except Exception:  # noqa: BLE001 - the original error is what the caller needs
             pass
 
@@ -218,105 +252,171 @@ async def receive_refit(
     stats: RefitStats | None = None,
 ) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
     """Yield the ``(name, tensor)`` batches of one refit, one batch per bucket that completes
-    tensors. Tensors own their memory. ``checksum`` (the sender's function) verifies every
-    bucket whose header carries a digest; ``None`` skips verification. ``stats`` (if given)
-    is filled in as the refit runs."""
-    stats = stats if stats is not None else RefitStats()
+    tensors, in the sender's order. Tensors own their memory and live on ``merge_device`` (or
+    the receiver's buffers' device). ``checksum`` (the sender's function) verifies every
+    bucket whose header carries a digest, before any tensor it completes is yielded; ``None``
+    skips verification. ``stats`` (if given) is filled in as the refit runs."""
+    refit = _Refit(bucket_size, context, notifier, stats if stats is not None else RefitStats(), timeout_s, checksum)
     start = time.perf_counter()
     notifier.started(context)
-    buckets = _BucketStream(receiver, bucket_size, context, notifier, stats, timeout_s, checksum)
+    device = torch.device(merge_device) if merge_device is not None else None
+    buckets = _BucketStream(receiver, refit, ChunkAssembler(device))
     try:
-        async for batch in merge_weight_chunk_batches(buckets.chunk_batches(), merge_device=merge_device):
-            stats.unpack_seconds += time.perf_counter() - buckets.handed_out_at
-            stats.tensors += len(batch)
+        async for batch in buckets.tensor_batches():
+            refit.stats.tensors += len(batch)
             yield batch
     except BaseException as exc:
         if not isinstance(exc, GeneratorExit):
             notifier.failed(context, exc)
         raise
-    stats.seconds = time.perf_counter() - start
-    notifier.finished(context, stats)
+    refit.stats.seconds = time.perf_counter() - start
+    notifier.finished(context, refit.stats)
+
+
+@dataclasses.dataclass
+class _PlannedBucket:
+    header: BucketHeader
+    slot: int
+    landings: list[Landing]
+    received: list[torch.Tensor | None]
+    """Per chunk: where a direct chunk is received (its landing's target, or a staging tensor
+    when outputs live on another device); ``None`` for a packed chunk."""
+    direct: list[torch.Tensor]
 
 
 class _BucketStream:
-    """Turns headers and payloads from a receiver into verified chunk batches, one per bucket."""
+    """Turns a receiver's headers and payloads into verified tensor batches, one per bucket."""
 
-    def __init__(
-        self,
-        receiver: BucketReceiver,
-        bucket_size: int,
-        context: RefitContext,
-        notifier: RefitNotifier,
-        stats: RefitStats,
-        timeout_s: float,
-        checksum: Checksum | None,
-    ) -> None:
+    def __init__(self, receiver: BucketReceiver, refit: _Refit, assembler: ChunkAssembler) -> None:
         self.receiver = receiver
-        self.bucket_size = bucket_size
-        self.context = context
-        self.notifier = notifier
-        self.stats = stats
-        self.timeout_s = timeout_s
-        self.checksum = checksum
-        self.handed_out_at = time.perf_counter()
+        self.refit = refit
+        self.stats = refit.stats
+        self.assembler = assembler
+
+    async def tensor_batches(self) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
+        eager = self.receiver.payload_ready_with_header
+        previous: _PlannedBucket | None = None
+        bucket_index = 0
+        while True:
+            bucket = self._plan(self._next_header(bucket_index))
+            with _timed(self.stats, "transfer_seconds"):
+                if bucket.direct:
+                    self.receiver.post_payload(
+                        bucket.slot, bucket.header.payload_nbytes, self.refit.timeout_s, bucket.direct
+                    )
+                else:
+                    self.receiver.post_payload(bucket.slot, bucket.header.payload_nbytes, self.refit.timeout_s)
+            with _timed(self.stats, "unpack_seconds"):
+                for target in bucket.direct:  # fresh pages are zeroed here, beside the transfer
+                    prefault(target)
+            if previous is not None:  # finish bucket k-1 while bucket k arrives
+                batch, previous = self._finish(previous), None
+                if batch:
+                    await self._hand_out()
+                    yield batch
+            with _timed(self.stats, "transfer_seconds"):
+                self.receiver.wait_payload(bucket.slot, self.refit.timeout_s)
+            if eager:
+                batch = self._finish(bucket)
+                if batch:
+                    await self._hand_out()
+                    yield batch
+            else:
+                previous = bucket
+            bucket_index += 1
+            if bucket.header.last:
+                break
+        batch = self._finish(previous) if previous is not None else []
+        self.assembler.finish()
+        if batch:
+            await self._hand_out()
+            yield batch
 
     def _next_header(self, bucket_index: int) -> BucketHeader:
+        refit = self.refit
         with _timed(self.stats, "transfer_seconds"):
-            raw = self.receiver.recv_header(self.timeout_s)
-        header = decode_header(raw, bucket_size=self.bucket_size)
+            raw = self.receiver.recv_header(refit.timeout_s)
+        header = decode_header(raw, bucket_size=refit.bucket_size)
         if header.abort is not None:
             raise RemoteRefitError(
                 f"the sender aborted refit {header.refit_index} at bucket {header.bucket_index}: "
                 f"{header.abort}"
             )
-        if (header.refit_index, header.bucket_index) != (self.context.refit_index, bucket_index):
+        if (header.refit_index, header.bucket_index) != (refit.context.refit_index, bucket_index):
             raise WireFormatError(
-                f"expected bucket {bucket_index} of refit {self.context.refit_index}, got bucket "
+                f"expected bucket {bucket_index} of refit {refit.context.refit_index}, got bucket "
                 f"{header.bucket_index} of refit {header.refit_index}: the stream is out of step"
             )
         return header
 
-    def _verified_chunks(self, header: BucketHeader) -> list[tuple[TensorMeta, torch.Tensor]]:
+    def _plan(self, header: BucketHeader) -> _PlannedBucket:
+        """Place every chunk of the bucket before its bytes arrive; a direct chunk is received
+        straight into its output tensor when that lives on the transport's device."""
+        start = time.perf_counter()
         slot = header.bucket_index % self.receiver.num_slots
-        with _timed(self.stats, "transfer_seconds"):
-            self.receiver.wait_payload(slot, self.timeout_s)
-        payload = self.receiver.buffer(slot)[: header.payload_nbytes]
-        if self.checksum is not None and header.checksum is not None:
+        device = self.receiver.buffer(slot).device
+        outputs_here = self.assembler.device in (None, device)
+        landings = []
+        received: list[torch.Tensor | None] = []
+        for meta in header.chunks:
+            if meta.offset is None:
+                if not self.receiver.direct_chunks:
+                    raise WireFormatError(
+                        f"tensor {meta.name!r} arrives as a direct chunk, which this receiver "
+                        f"({type(self.receiver).__name__}) cannot take: sender and receiver run "
+                        "different transports"
+                    )
+                landing = self.assembler.plan(meta, device, in_place=outputs_here)
+                if outputs_here:
+                    assert landing.target is not None
+                    received.append(landing.target)
+                else:
+                    received.append(torch.empty(meta.chunk_size, dtype=torch.uint8, device=device))
+            else:
+                landing = self.assembler.plan(meta, device)
+                received.append(None)
+            landings.append(landing)
+        self.stats.unpack_seconds += time.perf_counter() - start
+        direct = [tensor for tensor in received if tensor is not None]
+        return _PlannedBucket(header, slot, landings, received, direct)
+
+    def _finish(self, bucket: _PlannedBucket) -> list[tuple[str, torch.Tensor]]:
+        """Verify a bucket whose bytes have all arrived, copy out its packed chunks and
+        release its slot; returns the tensors it completed."""
+        header = bucket.header
+        payload = self.receiver.buffer(bucket.slot)[: header.payload_nbytes]
+        checksum = self.refit.checksum
+        if checksum is not None and header.checksum is not None:
             with _timed(self.stats, "checksum_seconds"):
-                actual = self.checksum(payload)
+                actual = bucket_digest(checksum, [payload, *bucket.direct])
             if actual != header.checksum:
                 raise IntegrityError(
                     f"bucket {header.bucket_index} of refit {header.refit_index} is corrupt: "
-                    f"payload checksum {actual:#018x} != header's {header.checksum:#018x} "
-                    f"({header.payload_nbytes} bytes); the refit is void"
+                    f"checksum {actual:#018x} != header's {header.checksum:#018x} "
+                    f"({header.payload_nbytes} packed bytes, {len(bucket.direct)} direct chunks); "
+                    "the refit is void"
                 )
+        start = time.perf_counter()
+        done = []
+        for landing, received in zip(bucket.landings, bucket.received):
+            meta = landing.meta
+            if received is None:
+                assert meta.offset is not None
+                tensor = landing.fill(payload[meta.offset : meta.offset + meta.chunk_size])
+            elif received is landing.target:
+                tensor = landing.landed()
+            else:
+                tensor = landing.fill(received)
+            if tensor is not None:
+                done.append((meta.name, tensor))
+        self.receiver.release(bucket.slot)
+        self.stats.unpack_seconds += time.perf_counter() - start
         self.stats.payload_bytes += sum(m.chunk_size for m in header.chunks)
         self.stats.buckets += 1
-        self.notifier.bucket_received(
-            self.context, header.bucket_index, header.payload_nbytes, len(header.chunks)
-        )
-        return [(m, payload[m.offset : m.offset + m.chunk_size]) for m in header.chunks]  # type: ignore[operator]
+        nbytes = header.payload_nbytes + sum(t.numel() for t in bucket.direct)
+        self.refit.notifier.bucket_received(self.refit.context, header.bucket_index, nbytes, len(header.chunks))
+        return done
 
-    async def chunk_batches(self) -> AsyncGenerator[list[tuple[TensorMeta, torch.Tensor]], None]:
-        previous: tuple[int, list[tuple[TensorMeta, torch.Tensor]]] | None = None
-        bucket_index = 0
-        while True:
-            header = self._next_header(bucket_index)
-            slot = bucket_index % self.receiver.num_slots
-            with _timed(self.stats, "transfer_seconds"):
-                self.receiver.post_payload(slot, header.payload_nbytes, self.timeout_s)
-            if previous is not None:  # reassemble bucket k-1 while bucket k arrives
-                await self._handing_out()
-                yield previous[1]
-                self.receiver.release(previous[0])
-            previous = (slot, self._verified_chunks(header))
-            bucket_index += 1
-            if header.last:
-                break
-        await self._handing_out()
-        yield previous[1]
-        self.receiver.release(previous[0])
-
-    async def _handing_out(self) -> None:
-        self.handed_out_at = time.perf_counter()
+    async def _hand_out(self) -> None:
         await asyncio.sleep(0)  # let the caller's event loop breathe between buckets
+

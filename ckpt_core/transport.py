@@ -5,6 +5,13 @@ chunks, packing buckets, headers, checksums, double buffering, reassembly and ho
 transport owns its bucket buffers (``num_slots`` of them, each ``bucket_size`` bytes, allocated
 once) and moves the first ``nbytes`` of a slot, with a header, to its peers.
 
+Direct chunks: a transport that can send from any memory and receive into any memory (sockets,
+Gloo, NCCL) sets ``direct_chunks`` on both its sides. The pipeline then moves each large chunk
+as a message of its own, from the sender's tensor straight into the receiver's output tensor,
+instead of copying it into a slot on one side and out of a slot on the other. A bucket's
+messages are always: the header, the packed slot bytes (when there are any), then its direct
+chunks in header order.
+
 Bucket ``k`` of a refit always uses slot ``k % num_slots`` on both sides. Every blocking method
 takes ``timeout_s`` and raises ``TransferTimeoutError`` past it, or ``PeerLostError`` as soon as
 the transport sees its peer gone.
@@ -13,6 +20,7 @@ the transport sees its peer gone.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 
 import torch
 
@@ -22,10 +30,8 @@ class BucketSender(abc.ABC):
 
     num_slots: int = 2
 
-    accepts_external_payload: bool = False
-    """Whether ``post`` may be given a ``payload`` outside the slot buffers. Transports that
-    can send from any memory (sockets, Gloo, NCCL) set it, and the pipeline then sends a chunk
-    that fills a whole bucket straight from the source tensor, skipping the packing copy."""
+    direct_chunks: bool = False
+    """Whether ``post`` may be given ``direct`` chunks (see the module docstring)."""
 
     @abc.abstractmethod
     def buffer(self, slot: int) -> torch.Tensor:
@@ -41,14 +47,15 @@ class BucketSender(abc.ABC):
 
     @abc.abstractmethod
     def post(
-        self, slot: int, header: bytes, nbytes: int, timeout_s: float, payload: torch.Tensor | None = None
+        self, slot: int, header: bytes, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()
     ) -> None:
-        """Start moving ``header`` and ``buffer(slot)[:nbytes]``; may return before they arrive.
+        """Start moving ``header``, ``buffer(slot)[:nbytes]``, then each of ``direct``; may
+        return before they arrive.
 
-        Headers reach each receiver in the order they were posted. When ``payload`` is given
-        (only if ``accepts_external_payload``), it is a contiguous ``uint8`` tensor of
-        ``nbytes`` on the buffers' device to send instead of the slot's bytes; the transport
-        keeps a reference to it until ``wait_slot(slot)`` returns.
+        Headers reach each receiver in the order they were posted. ``direct`` (non-empty only
+        if ``direct_chunks``) holds contiguous 1-D ``uint8`` tensors on the buffers' device,
+        each its own message; the transport keeps references to them until
+        ``wait_slot(slot)`` returns.
         """
 
     @abc.abstractmethod
@@ -64,6 +71,16 @@ class BucketReceiver(abc.ABC):
 
     num_slots: int = 2
 
+    direct_chunks: bool = False
+    """Whether ``post_payload`` may be given ``direct`` destinations (see the module docstring)."""
+
+    payload_ready_with_header: bool = False
+    """Whether a header arriving means its payload is already readable (the sender wrote it
+    where the receiver reads it, as with shared memory). The pipeline then finishes each bucket
+    as soon as it arrives, handing its slot back at once. Otherwise payloads move only once
+    ``post_payload`` says where they go, and the pipeline posts bucket ``k`` before finishing
+    bucket ``k - 1``, so the two overlap."""
+
     @abc.abstractmethod
     def buffer(self, slot: int) -> torch.Tensor:
         """The 1-D ``uint8`` buffer ``slot``'s payload lands in (or is mapped from)."""
@@ -73,12 +90,16 @@ class BucketReceiver(abc.ABC):
         """Block for the next header's bytes."""
 
     @abc.abstractmethod
-    def post_payload(self, slot: int, nbytes: int, timeout_s: float) -> None:
-        """Start receiving the payload announced by the last header into ``buffer(slot)``."""
+    def post_payload(
+        self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()
+    ) -> None:
+        """Start receiving the payload announced by the last header: ``nbytes`` into
+        ``buffer(slot)``, then each direct chunk into its destination in ``direct`` (1-D
+        ``uint8`` views of output tensors, in header order; non-empty only if ``direct_chunks``)."""
 
     @abc.abstractmethod
     def wait_payload(self, slot: int, timeout_s: float) -> None:
-        """Block until ``buffer(slot)[:nbytes]`` holds the whole payload."""
+        """Block until ``buffer(slot)[:nbytes]`` and every direct destination hold their bytes."""
 
     def release(self, slot: int) -> None:
         """The pipeline is done reading ``buffer(slot)``: the sender may refill it."""

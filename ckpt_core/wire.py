@@ -1,8 +1,8 @@
 """The bucket header: what a receiver must know to unpack one bucket, as versioned JSON.
 
 A header lists the bucket's chunks column by column (names, shapes, dtypes, chunk offsets and
-sizes, bucket offsets), which keeps encoding and decoding cheap for buckets of many tiny
-tensors. Decoding treats the bytes as untrusted: every field is type- and range-checked, and
+sizes, offsets in the packed payload, ``null`` for a direct chunk), which keeps encoding and
+decoding cheap for buckets of many tiny tensors. Decoding treats the bytes as untrusted: every field is type- and range-checked, and
 every chunk must lie inside the payload, before anything is built from it. No pickle anywhere.
 """
 
@@ -16,7 +16,7 @@ from .base import TensorMeta
 from .dtypes import dtype_name
 from .errors import WireFormatError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAX_HEADER_BYTES = 64 << 20
 """Upper bound on an encoded header (about 500k chunks); a larger length is refused unread."""
 
@@ -28,9 +28,11 @@ _FIELDS = {"format", "refit", "bucket", "nbytes", "last", "checksum", "abort", *
 class BucketHeader:
     """Describes bucket ``bucket_index`` of refit ``refit_index``.
 
-    ``payload_nbytes`` bytes of the bucket buffer carry data; ``chunks`` place each chunk
-    inside them. ``last`` marks the refit's final bucket. ``checksum`` is the payload's xxh3_64,
-    or ``None`` when the sender has checksums off. ``abort`` carries the sender's error message
+    ``payload_nbytes`` bytes of the bucket buffer carry packed data; a chunk's ``offset``
+    places it inside them, or is ``None`` for a direct chunk, which travels as a message of its
+    own after the packed payload (see :mod:`ckpt_core.transport`). ``last`` marks the refit's final bucket. ``checksum`` is the digest of the packed
+    payload and the direct chunks (see ``ckpt_core.pipeline.bucket_digest``), or ``None`` when
+    the sender has checksums off. ``abort`` carries the sender's error message
     when it gave up on the refit; such a header has no chunks and no payload.
     """
 
@@ -95,11 +97,11 @@ def decode_header(data: bytes | bytearray | memoryview, *, bucket_size: int) -> 
     abort = doc["abort"]
     if abort is not None and not isinstance(abort, str):
         raise WireFormatError(f"bucket header 'abort' must be a string or null, got {abort!r}")
-    chunks = _decode_chunks(doc, nbytes)
+    chunks = _decode_chunks(doc, nbytes, bucket_size)
     return BucketHeader(refit, bucket, nbytes, last, chunks, checksum, abort)
 
 
-def _decode_chunks(doc: dict[str, Any], payload_nbytes: int) -> tuple[TensorMeta, ...]:
+def _decode_chunks(doc: dict[str, Any], payload_nbytes: int, bucket_size: int) -> tuple[TensorMeta, ...]:
     columns = [doc[c] for c in _COLUMNS]
     if not all(isinstance(col, list) for col in columns):
         raise WireFormatError("bucket header chunk columns must be lists")
@@ -107,9 +109,18 @@ def _decode_chunks(doc: dict[str, Any], payload_nbytes: int) -> tuple[TensorMeta
     if any(len(col) != count for col in columns):
         raise WireFormatError("bucket header chunk columns have different lengths")
     chunks = []
+    direct_nbytes = 0
     for name, shape, dtype, chunk_offset, chunk_size, offset in zip(*columns):
         meta = TensorMeta.validated(name, shape, dtype, chunk_offset, chunk_size, offset)
-        if offset is None or offset + chunk_size > payload_nbytes:
+        if offset is None:
+            direct_nbytes += chunk_size
+            if chunk_size == 0 or direct_nbytes > bucket_size:
+                raise WireFormatError(
+                    f"tensor {name!r}: direct chunk of {chunk_size} bytes brings the bucket's direct "
+                    f"chunks to {direct_nbytes} bytes; they must be non-empty and at most the "
+                    f"bucket size {bucket_size} together"
+                )
+        elif offset + chunk_size > payload_nbytes:
             raise WireFormatError(
                 f"tensor {name!r}: chunk at bucket offset {offset!r} (size {chunk_size}) lies "
                 f"outside the {payload_nbytes}-byte payload"

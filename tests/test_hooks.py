@@ -21,11 +21,11 @@ import torch
 
 import ckpt_core
 from ckpt_core import split_weight_chunks
-from ckpt_core.errors import IntegrityError, RemoteRefitError, UnsupportedTensorError
+from ckpt_core.errors import IntegrityError, RemoteRefitError, UnsupportedTensorError, WireFormatError
 from ckpt_core.hooks import plugin_manager
 from ckpt_core.stats import RefitContext, RefitStats
 from helpers.distributions import Distribution, install, run_python
-from helpers.memory_transport import RefitOutcome, connected_pair, run_refit
+from helpers.memory_transport import MemoryEngine, RefitOutcome, connected_pair, run_refit
 from helpers.tensors import assert_same_weights, group_into_buckets, random_tensor
 
 BUCKET = 64
@@ -162,14 +162,14 @@ def test_unregistered_hook_sees_nothing(rng: torch.Generator) -> None:
 # --- the pipeline ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("external_payload", [False, True], ids=["packed", "external-payload"])
+@pytest.mark.parametrize("direct_chunks", [False, True], ids=["packed", "direct-chunks"])
 def test_multi_bucket_refit_is_bit_exact_with_one_batch_per_bucket(
-    external_payload: bool, rng: torch.Generator
+    direct_chunks: bool, rng: torch.Generator
 ) -> None:
     weights = mixed_weights(rng, scale=5)
     buckets = expected_buckets(weights)
     assert len(buckets) > 15
-    policy, rollout = connected_pair(BUCKET, external_payload=external_payload)
+    policy, rollout = connected_pair(BUCKET, direct_chunks=direct_chunks)
     try:
         outcome = run_refit(policy, rollout, lambda: iter(weights))
         assert_clean(outcome)
@@ -181,9 +181,28 @@ def test_multi_bucket_refit_is_bit_exact_with_one_batch_per_bucket(
         # Bucket k used slot k % 2 on both sides (the receiver checks the slot it is told).
         assert policy.link is not None
         assert [slot for slot, _ in policy.link.posted] == [k % 2 for k in range(len(buckets))]
-        # With external payloads on, the 10x-bucket tensor's bucket-filling chunks skip packing.
+        # With direct chunks on, large chunks (the 10x-bucket tensor's among them) skip packing.
         assert policy.sender is not None
-        assert (policy.sender.external_posts > 0) == external_payload
+        assert (policy.sender.direct_posts > 0) == direct_chunks
+    finally:
+        policy.finalize()
+        rollout.finalize()
+
+
+def test_direct_chunks_to_a_receiver_that_cannot_take_them_are_refused(rng: torch.Generator) -> None:
+    """A sender moving direct chunks to a receiver without ``direct_chunks`` (a mixed-up
+    deployment) fails the refit with a clear error instead of reading the wrong bytes."""
+    policy = MemoryEngine(bucket_size=BUCKET, direct_chunks=True)
+    rollout = MemoryEngine(bucket_size=BUCKET)
+    metadata = [policy.prepare(), rollout.prepare()]
+    sizes = {"train_world_size": 1, "rollout_world_size": 1, "metadata": metadata}
+    policy.init_policy_process_group(worker_rank=0, **sizes)
+    rollout.init_rollout_process_group(rollout_rank=0, **sizes)
+    try:
+        outcome = run_refit(policy, rollout, lambda: iter([("big", random_tensor((BUCKET,), torch.float32, rng))]))
+        assert isinstance(outcome.receive_error, WireFormatError)
+        assert "arrives as a direct chunk" in str(outcome.receive_error)
+        assert outcome.batches == []
     finally:
         policy.finalize()
         rollout.finalize()

@@ -55,8 +55,15 @@ def test_round_trip(rng: torch.Generator) -> None:
         BucketHeader(
             1, 1, BUCKET, False, (TensorMeta("big", torch.Size([1000]), torch.uint8, 256, 256, 0),), checksum=0
         ),
+        BucketHeader(
+            1, 1, 4, False,
+            (
+                TensorMeta("small", torch.Size([1]), torch.int32, 0, 4, 0),
+                TensorMeta("big", torch.Size([BUCKET]), torch.uint8, 0, BUCKET, None),
+            ),
+        ),
     ],
-    ids=["empty-last", "abort", "no-checksum", "full-bucket"],
+    ids=["empty-last", "abort", "no-checksum", "full-bucket", "direct-chunk"],
 )
 def test_round_trip_edge_headers(header: BucketHeader) -> None:
     assert decode_header(encode_header(header), bucket_size=BUCKET) == header
@@ -136,7 +143,13 @@ REJECTED: dict[str, Any] = {
     "dtype int": _set_column("dtypes", 0, 7),
     "chunk_offset negative": _set_column("chunk_offsets", 0, -1),
     "chunk_size float": _set_column("chunk_sizes", 0, 4.0),
-    "offset none": _set_column("offsets", 0, None),
+    "direct chunk of no bytes": _set_column("offsets", 1, None),  # chunk 1 is the empty tensor
+    "direct chunks past the bucket size": _mutated(
+        lambda d: [
+            d[column].__setitem__(0, value)
+            for column, value in [("shapes", [BUCKET + 1]), ("dtypes", "uint8"), ("chunk_sizes", BUCKET + 1), ("offsets", None)]
+        ]
+    ),
     "offset bool": _set_column("offsets", 0, False),
     "chunk outside its tensor": _set_column("chunk_sizes", 0, 10_000),
     "chunk outside the payload": _set_column("offsets", 0, BUCKET),

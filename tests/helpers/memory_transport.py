@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -40,12 +40,12 @@ class MemoryLink:
         """Bucket index -> payload byte the receiver finds flipped."""
         self.posted: list[tuple[int, int]] = []
         """(slot, nbytes) of every post, in order."""
-        self._headers: queue.Queue[tuple[bytes, int, int] | None] = queue.Queue()
+        self._headers: queue.Queue[tuple[bytes, int, int, tuple[torch.Tensor, ...]] | None] = queue.Queue()
         self._busy = [False] * num_slots
         self._closed_by: str | None = None
         self._cond = threading.Condition()
 
-    def post(self, slot: int, header: bytes, nbytes: int) -> None:
+    def post(self, slot: int, header: bytes, nbytes: int, direct: tuple[torch.Tensor, ...] = ()) -> None:
         with self._cond:
             if self._closed_by is not None:
                 raise PeerLostError(f"the {self._closed_by} closed the link")
@@ -53,7 +53,7 @@ class MemoryLink:
                 raise AssertionError(f"slot {slot} posted while the receiver still holds it")
             self._busy[slot] = True
             self.posted.append((slot, nbytes))
-        self._headers.put((bytes(header), slot, nbytes))
+        self._headers.put((bytes(header), slot, nbytes, direct))
 
     def wait_free(self, slot: int, timeout_s: float) -> None:
         with self._cond:
@@ -64,7 +64,7 @@ class MemoryLink:
                 raise PeerLostError(f"the {self._closed_by} closed the link while slot {slot} was in use")
         raise TransferTimeoutError(f"slot {slot} was not released within {timeout_s:g}s")
 
-    def next_header(self, timeout_s: float) -> tuple[bytes, int, int]:
+    def next_header(self, timeout_s: float) -> tuple[bytes, int, int, tuple[torch.Tensor, ...]]:
         try:
             item = self._headers.get(timeout=timeout_s)
         except queue.Empty:
@@ -87,30 +87,29 @@ class MemoryLink:
 
 
 class MemorySender(BucketSender):
-    """``external_payload=True`` lets the pipeline hand over a chunk that fills a bucket alone
-    instead of packing it; its bytes are then copied into the (already acquired) shared slot,
-    as if they had been sent from where they are."""
+    """``direct_chunks=True`` lets the pipeline hand over large chunks instead of packing
+    them; the receiver then copies each from the sender's tensor into its destination, as if
+    it had been sent from where it is."""
 
-    def __init__(self, link: MemoryLink, *, external_payload: bool = False) -> None:
+    def __init__(self, link: MemoryLink, *, direct_chunks: bool = False) -> None:
         self.link = link
         self.num_slots = len(link.buffers)
-        self.accepts_external_payload = external_payload
-        self.external_posts = 0
+        self.direct_chunks = direct_chunks
+        self.direct_posts = 0
 
     def buffer(self, slot: int) -> torch.Tensor:
         return self.link.buffers[slot]
 
     def post(
-        self, slot: int, header: bytes, nbytes: int, timeout_s: float, payload: torch.Tensor | None = None
+        self, slot: int, header: bytes, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()
     ) -> None:
-        if payload is not None:
-            if not self.accepts_external_payload:
-                raise AssertionError("the pipeline passed an external payload to a sender that does not accept one")
-            if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() != nbytes:
-                raise AssertionError(f"external payload must be 1-D uint8 of {nbytes} bytes, got {payload.shape}")
-            self.link.buffers[slot][:nbytes].copy_(payload)
-            self.external_posts += 1
-        self.link.post(slot, header, nbytes)
+        if direct and not self.direct_chunks:
+            raise AssertionError("the pipeline passed direct chunks to a sender that does not take them")
+        for chunk in direct:
+            if chunk.dtype != torch.uint8 or chunk.dim() != 1 or not chunk.is_contiguous():
+                raise AssertionError(f"a direct chunk must be contiguous 1-D uint8, got {chunk.dtype} {list(chunk.shape)}")
+        self.direct_posts += len(direct)
+        self.link.post(slot, header, nbytes, tuple(direct))
 
     def wait_slot(self, slot: int, timeout_s: float) -> None:
         self.link.wait_free(slot, timeout_s)
@@ -120,26 +119,38 @@ class MemorySender(BucketSender):
 
 
 class MemoryReceiver(BucketReceiver):
-    def __init__(self, link: MemoryLink) -> None:
+    def __init__(self, link: MemoryLink, *, direct_chunks: bool = False) -> None:
         self.link = link
         self.num_slots = len(link.buffers)
+        self.direct_chunks = direct_chunks
         self._announced: tuple[int, int] | None = None  # (slot, nbytes) of the last header
+        self._sent_direct: tuple[torch.Tensor, ...] = ()  # the last header's direct chunks
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (source, destination) pending
         self._buckets = 0
 
     def buffer(self, slot: int) -> torch.Tensor:
         return self.link.buffers[slot]
 
     def recv_header(self, timeout_s: float) -> bytes:
-        header, slot, nbytes = self.link.next_header(timeout_s)
+        header, slot, nbytes, self._sent_direct = self.link.next_header(timeout_s)
         self._announced = (slot, nbytes)
         return header
 
-    def post_payload(self, slot: int, nbytes: int, timeout_s: float) -> None:
+    def post_payload(
+        self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()
+    ) -> None:
         # The transport contract: bucket k uses slot k % num_slots on both sides.
         if (slot, nbytes) != self._announced:
             raise AssertionError(f"receiver posted slot {slot} ({nbytes} B), sender sent {self._announced}")
+        sizes = [t.numel() for t in direct]
+        if sizes != [t.numel() for t in self._sent_direct]:
+            raise AssertionError(f"receiver posted direct chunks of {sizes} B, sender sent {[t.numel() for t in self._sent_direct]}")
+        self._copies = list(zip(self._sent_direct, direct))
 
     def wait_payload(self, slot: int, timeout_s: float) -> None:
+        for source, destination in self._copies:
+            destination.copy_(source)
+        self._copies = []
         flip = self.link.corrupt.get(self._buckets)
         if flip is not None:
             self.link.buffers[slot][flip] ^= 0xFF
@@ -165,10 +176,10 @@ class MemoryEngine(BucketedEngine):
     )
 
     def __init__(
-        self, *, bucket_size: int, timeout_s: float = 20.0, checksum: bool = True, external_payload: bool = False
+        self, *, bucket_size: int, timeout_s: float = 20.0, checksum: bool = True, direct_chunks: bool = False
     ) -> None:
         super().__init__(bucket_size=bucket_size, timeout_s=timeout_s, checksum=checksum)
-        self.external_payload = external_payload
+        self.direct_chunks = direct_chunks
         self.link: MemoryLink | None = None
         self.sender: MemorySender | None = None
         self._key = ""
@@ -185,13 +196,13 @@ class MemoryEngine(BucketedEngine):
         self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
     ) -> BucketSender:
         link = self._join(train_world_size, rollout_world_size, metadata)
-        self.sender = MemorySender(link, external_payload=self.external_payload)
+        self.sender = MemorySender(link, direct_chunks=self.direct_chunks)
         return self.sender
 
     def _connect_rollout(
         self, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
     ) -> BucketReceiver:
-        return MemoryReceiver(self._join(train_world_size, rollout_world_size, metadata))
+        return MemoryReceiver(self._join(train_world_size, rollout_world_size, metadata), direct_chunks=self.direct_chunks)
 
     def _release_transport(self) -> None:
         with _LINKS_LOCK:

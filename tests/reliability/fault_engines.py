@@ -8,7 +8,7 @@ interoperates with plain ``gloo_cpu`` peers.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import torch
@@ -19,15 +19,17 @@ from ckpt_gloo_cpu.engine import GlooCpuCheckpointEngine
 
 
 class _CorruptingReceiver(BucketReceiver):
-    """Flips one bit in the middle of bucket ``bucket_index``'s payload once it has arrived
-    (after ``wait_payload``, before the pipeline verifies it), in every refit."""
+    """Flips one bit in the middle of bucket ``bucket_index``'s bytes once they have arrived
+    (after ``wait_payload``, before the pipeline verifies them), in every refit: in the packed
+    payload, or in its first direct chunk when it has no packed bytes."""
 
     def __init__(self, inner: BucketReceiver, bucket_size: int, bucket_index: int) -> None:
         self.inner = inner
         self.num_slots = inner.num_slots
+        self.direct_chunks = inner.direct_chunks
         self.bucket_size = bucket_size
         self.bucket_index = bucket_index
-        self._posted: dict[int, tuple[int, int]] = {}  # slot -> (bucket index, payload bytes)
+        self._posted: dict[int, tuple[int, torch.Tensor | None]] = {}  # slot -> (bucket, bytes to corrupt)
         self._last_bucket = -1
         self.flipped = 0
 
@@ -39,16 +41,16 @@ class _CorruptingReceiver(BucketReceiver):
         self._last_bucket = decode_header(raw, bucket_size=self.bucket_size).bucket_index
         return raw
 
-    def post_payload(self, slot: int, nbytes: int, timeout_s: float) -> None:
-        self._posted[slot] = (self._last_bucket, nbytes)
-        self.inner.post_payload(slot, nbytes, timeout_s)
+    def post_payload(self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()) -> None:
+        target = self.inner.buffer(slot)[:nbytes] if nbytes else (direct[0] if direct else None)
+        self._posted[slot] = (self._last_bucket, target)
+        self.inner.post_payload(slot, nbytes, timeout_s, direct)
 
     def wait_payload(self, slot: int, timeout_s: float) -> None:
         self.inner.wait_payload(slot, timeout_s)
-        bucket, nbytes = self._posted.pop(slot, (-1, 0))
-        if bucket == self.bucket_index and nbytes:
-            payload = self.inner.buffer(slot)
-            payload[nbytes // 2] ^= 0x01
+        bucket, target = self._posted.pop(slot, (-1, None))
+        if bucket == self.bucket_index and target is not None:
+            target[target.numel() // 2] ^= 0x01
             self.flipped += 1
 
     def release(self, slot: int) -> None:

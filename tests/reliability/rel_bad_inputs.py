@@ -41,7 +41,7 @@ from ckpt_core.errors import (
     UnsupportedTensorError,
     WireFormatError,
 )
-from ckpt_core.wire import BucketHeader, decode_header, encode_header
+from ckpt_core.wire import FORMAT_VERSION, BucketHeader, decode_header, encode_header
 from rel_inprocess import Pair, collect, concurrently
 
 BUCKET = 4096
@@ -358,8 +358,8 @@ CASES: list[Case] = [
          with_prepared(lambda e, m: init_policy(e, [m, other(m, backend="cuda_ipc")])), (WireFormatError,),
          r"metadata\[1\] comes from backend 'cuda_ipc', not 'gloo_cpu'"),
     Case("metadata-other-format", "a metadata entry of another format version",
-         with_prepared(lambda e, m: init_policy(e, [m, other(m, format=2)])), (WireFormatError,),
-         r"metadata\[1\] has format 2, this side speaks 1"),
+         with_prepared(lambda e, m: init_policy(e, [m, other(m, format=FORMAT_VERSION + 1)])), (WireFormatError,),
+         rf"metadata\[1\] has format {FORMAT_VERSION + 1}, this side speaks {FORMAT_VERSION}"),
     Case("metadata-wrong-order", "metadata entries in the wrong order (rollout's first)",
          with_prepared(lambda e, m: init_policy(e, [other(m), m])), OURS_AND_VALUE,
          r"metadata\[0\] is not this engine's prepare\(\) result"),
@@ -402,8 +402,8 @@ CASES: list[Case] = [
     Case("meta-device", "a meta-device tensor", bad_weights(lambda: [("m", torch.empty(4, device="meta"))]),
          (UnsupportedTensorError,), r"weight 'm' is on the meta device"),
     # bytes from a peer
-    Case("header-other-version", "a bucket header of another format version", decode(header_bytes(format=2)),
-         (WireFormatError,), r"format version 2, this side speaks 1"),
+    Case("header-other-version", "a bucket header of another format version", decode(header_bytes(format=FORMAT_VERSION + 1)),
+         (WireFormatError,), rf"format version {FORMAT_VERSION + 1}, this side speaks {FORMAT_VERSION}"),
     Case("header-truncated", "a truncated bucket header", decode(header_bytes()[:-7]),
          (WireFormatError,), r"not valid JSON.*truncated or corrupt"),
     Case("header-payload-too-big", "a header announcing more bytes than a bucket holds",

@@ -17,6 +17,7 @@ hooks) is ``BucketedEngine``'s.
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -32,8 +33,6 @@ from .framing import Connection, Deadline
 class TcpSender(BucketSender):
     """Policy rank 0's end: two slot buffers and one connection per rollout rank (by rank)."""
 
-    accepts_external_payload = True  # a socket sends from any host memory: no packing copy needed
-
     def __init__(self, connections: list[Connection], bucket_size: int) -> None:
         self._connections = connections
         self._buffers = [torch.empty(bucket_size, dtype=torch.uint8) for _ in range(self.num_slots)]
@@ -42,11 +41,12 @@ class TcpSender(BucketSender):
         return self._buffers[slot]
 
     def post(
-        self, slot: int, header: bytes, nbytes: int, timeout_s: float, payload: torch.Tensor | None = None
+        self, slot: int, header: bytes, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()
     ) -> None:
+        # direct_chunks is False (one message per bucket keeps the framing simple), so the
+        # pipeline packs every chunk and `direct` is always empty.
         deadline = Deadline(timeout_s)
-        source = self._buffers[slot][:nbytes] if payload is None else payload
-        view = memoryview(source.numpy())
+        view = memoryview(self._buffers[slot][:nbytes].numpy())
         try:
             for connection in self._connections:
                 connection.send(header, view, deadline, "sending a bucket")
@@ -89,7 +89,9 @@ class TcpReceiver(BucketReceiver):
         )
         return header
 
-    def post_payload(self, slot: int, nbytes: int, timeout_s: float) -> None:
+    def post_payload(
+        self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()
+    ) -> None:
         if nbytes != self._announced:
             raise WireFormatError(
                 f"bucket header says {nbytes} payload bytes, its message carries {self._announced}"

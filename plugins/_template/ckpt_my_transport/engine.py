@@ -9,6 +9,7 @@ each guarantee; examples/tcp_transport there is a complete transport built from 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -28,12 +29,13 @@ class MySender(BucketSender):
         return self._buffers[slot]
 
     def post(
-        self, slot: int, header: bytes, nbytes: int, timeout_s: float, payload: torch.Tensor | None = None
+        self, slot: int, header: bytes, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()
     ) -> None:
         # TODO: start moving `header` and buffer(slot)[:nbytes] to every receiver of this
         # sender, headers in posting order. Raise PeerLostError / TransferTimeoutError.
-        # (`payload` is only ever given if you set `accepts_external_payload = True`: then
-        # send it instead of the slot's bytes, keeping a reference until wait_slot(slot).)
+        # (`direct` is only ever non-empty if you set `direct_chunks = True` on both sides:
+        # then send each of them after the slot's bytes, keeping references until
+        # wait_slot(slot); the receiver gets their destinations in post_payload.)
         raise NotImplementedError("MySender.post: move one bucket (see the TODO)")
 
     def wait_slot(self, slot: int, timeout_s: float) -> None:
@@ -58,8 +60,11 @@ class MyReceiver(BucketReceiver):
         # TODO: block (at most timeout_s) for the next header's bytes.
         raise NotImplementedError("MyReceiver.recv_header (see the TODO)")
 
-    def post_payload(self, slot: int, nbytes: int, timeout_s: float) -> None:
-        # TODO: start receiving the last header's payload into buffer(slot)[:nbytes].
+    def post_payload(
+        self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()
+    ) -> None:
+        # TODO: start receiving the last header's payload into buffer(slot)[:nbytes]
+        # (and each direct chunk into its tensor in `direct`, if you set `direct_chunks`).
         raise NotImplementedError("MyReceiver.post_payload (see the TODO)")
 
     def wait_payload(self, slot: int, timeout_s: float) -> None:

@@ -16,8 +16,8 @@ One bucket, policy rank 0 -> every rollout rank:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import NoReturn, Protocol
+from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 import torch
 
@@ -54,8 +54,6 @@ class IpcSender(BucketSender):
     IPC requires of the exporting process.
     """
 
-    accepts_external_payload = False
-
     def __init__(self, slots: Slots, channels: list[Channel], *, wait_for_peers_on_close: bool) -> None:
         self.slots = slots
         self.channels = channels
@@ -67,10 +65,10 @@ class IpcSender(BucketSender):
         return self.slots.view(slot)
 
     def post(
-        self, slot: int, header: bytes, nbytes: int, timeout_s: float, payload: torch.Tensor | None = None
+        self, slot: int, header: bytes, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()
     ) -> None:
-        if payload is not None:  # receivers read the mapped slot, so the bytes must be there
-            raise TransferError("cuda_ipc sends only from its slots (accepts_external_payload is False)")
+        if direct:  # receivers read the mapped slot, so the bytes must be there
+            raise TransferError("cuda_ipc sends only from its slots (direct_chunks is False)")
         if self._pending[slot]:
             raise TransferError(f"slot {slot} was posted while rollout ranks {sorted(self._pending[slot])} still read it")
         self.slots.publish()
@@ -150,6 +148,8 @@ class IpcSender(BucketSender):
 class IpcReceiver(BucketReceiver):
     """A rollout rank's end: its mapping of the policy's slots and its channel to policy rank 0."""
 
+    payload_ready_with_header = True  # the policy fills the mapped slot before sending its header
+
     def __init__(self, slots: Slots, channel: Channel, timeout_s: float) -> None:
         self.slots = slots
         self.channel = channel
@@ -171,7 +171,9 @@ class IpcReceiver(BucketReceiver):
                 raise RemoteRefitError(f"{self.channel.peer} abandoned the refit: {message.get('reason')}")
         raise WireFormatError(f"expected a bucket header from {self.channel.peer}, got a {kind.name} frame")
 
-    def post_payload(self, slot: int, nbytes: int, timeout_s: float) -> None:
+    def post_payload(
+        self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()
+    ) -> None:
         if nbytes > self.slots.bucket_size:
             raise WireFormatError(f"a payload of {nbytes} bytes does not fit a {self.slots.bucket_size}-byte slot")
 
@@ -182,17 +184,10 @@ class IpcReceiver(BucketReceiver):
         self.slots.consumed()
         try:
             self.channel.send(Kind.RELEASE, bytes([slot]), Deadline(self.timeout_s), f"releasing slot {slot}")
-        except PeerLostError as exc:
-            self._raise_reason(exc)
-
-    def _raise_reason(self, lost_error: PeerLostError) -> NoReturn:
-        """The policy closed its end: if it said why before it did, raise that instead."""
-        for kind, body in self.channel.drain():
-            if kind is Kind.CONTROL:
-                message = decode_json(body, self.channel.peer)
-                if message["type"] == "error":
-                    raise RemoteRefitError(f"{self.channel.peer} abandoned the refit: {message.get('reason')}") from lost_error
-        raise lost_error
+        except PeerLostError:
+            # The policy is gone. What it sent before going (an abort header, an error message)
+            # is still buffered on the socket: the next recv_header reports it, or the loss.
+            pass
 
     def close(self) -> None:
         if self._closed:

@@ -4,14 +4,13 @@
 * :class:`NcclSender` packs on a dedicated stream and queues each NCCL send after it.
 * :func:`check_distinct_gpus` refuses a link with two members on one GPU before NCCL does.
 
-Stream order, per bucket. Sender: the bucket is packed on the caller's current stream (or on
-the pack stream, through :meth:`NcclSender.pack`), or a chunk that fills a bucket alone is
-sent from the caller's tensor; the checksum and the NCCL send are queued after that (the pack
-stream first waits for the caller's stream, and ProcessGroupNCCL's stream waits for the
-stream current at the call); ``wait_slot`` blocks the thread until the send is complete, so
+Stream order, per bucket. Sender: small chunks are packed on the pack stream (through
+:meth:`NcclSender.pack`) and large ones are sent from the caller's tensor (direct chunks); the
+checksum and the NCCL sends are queued after that (the pack stream first waits for the
+caller's stream, and ProcessGroupNCCL's stream waits for the stream current at the call); ``wait_slot`` blocks the thread until the send is complete, so
 the slot can then be refilled, and the caller's tensor freed, on any stream.
-Receiver: the NCCL receive waits for the caller's current stream (where the previous use of
-the slot was copied out); ``wait_payload`` blocks the thread until it is complete and orders
+Receiver: the NCCL receives (into the slot, and direct chunks into their output tensors) wait
+for the caller's current stream (where the previous use of the slot was copied out); ``wait_payload`` blocks the thread until it is complete and orders
 the caller's stream after it. The pipeline then verifies the payload's device checksum.
 """
 
@@ -71,13 +70,13 @@ class NcclSender(DistributedSender):
         self.stream.pack(self.buffer(slot)[offset : offset + chunk.numel()], chunk)
 
     def post(
-        self, slot: int, header: bytes, nbytes: int, timeout_s: float, payload: torch.Tensor | None = None
+        self, slot: int, header: bytes, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()
     ) -> None:
-        """Queue the send after the pack stream, which first waits for the caller's stream:
-        packing (wherever it ran) and a ``payload`` the caller produced precede the send."""
+        """Queue the sends after the pack stream, which first waits for the caller's stream:
+        packing (wherever it ran) and ``direct`` chunks the caller produced precede them."""
         self.stream.follow_caller()
         with self.stream.active():
-            super().post(slot, header, nbytes, timeout_s, payload=payload)
+            super().post(slot, header, nbytes, timeout_s, direct)
 
 
 def link_members(topology: str, role: str, rank: int, train_world_size: int, rollout_world_size: int) -> list[int]:

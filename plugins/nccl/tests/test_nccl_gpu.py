@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ckpt_core.base import split_weight_chunks, tensor_bytes
+from ckpt_core.base import TensorMeta, split_weight_chunks, tensor_bytes
 from ckpt_core.device_checksum import device_payload_checksum
 from ckpt_core.errors import EngineOptionError
 from ckpt_core.testing.weights import every_dtype
@@ -88,7 +88,7 @@ def test_the_sender_pipeline_packs_checksums_and_sends_into_a_one_rank_link():
     every bucket's bytes are where the chunk layout says."""
     from ckpt_core.distributed import Link
     from ckpt_core.hooks import RefitNotifier
-    from ckpt_core.pipeline import send_refit
+    from ckpt_core.pipeline import direct_min_bytes, send_refit
 
     device = torch.device("cuda", 0)
     bucket_size = 1 << 16
@@ -102,14 +102,14 @@ def test_the_sender_pipeline_packs_checksums_and_sends_into_a_one_rank_link():
     link = Link(control, data, rank=0, size=1, broadcast=True, peer="nobody")
     stream = platform.new_pack_stream(device)
     sender = NcclSender(link, bucket_size, device, stream)
-    assert sender.accepts_external_payload
+    assert sender.direct_chunks
     weights = _weights_on_gpu(device)
-    buckets: list[torch.Tensor] = []
+    parts: list[torch.Tensor] = []
 
-    def checksum(payload: torch.Tensor) -> int:  # the engine's, plus a copy of each bucket
+    def checksum(payload: torch.Tensor) -> int:  # the engine's, plus a copy of each bucket part
         stream.follow_caller()
         with stream.active():
-            buckets.append(payload.clone())
+            parts.append(payload.clone())
             return device_payload_checksum(payload)
 
     notifier = RefitNotifier("nccl", "policy", 0)
@@ -120,13 +120,29 @@ def test_the_sender_pipeline_packs_checksums_and_sends_into_a_one_rank_link():
                 timeout_s=60.0, checksum=checksum,
             )
         )
-        assert stats.tensors == len(weights) and stats.buckets == len(buckets) >= 4
-        bucket, end = 0, 0
+        # Each bucket's parts, as checksummed: its packed slot bytes (chunks closed up at
+        # aligned offsets), then its direct chunks, sent from the tensors themselves.
+        layout: list[list[tuple[TensorMeta, torch.Tensor]]] = [[]]
+        layout_end = 0
         for meta, chunk in split_weight_chunks(iter(weights), bucket_size):
-            if meta.offset < end:  # the layout's rule for "this chunk opens the next bucket"
-                bucket += 1
-            end = meta.offset + meta.chunk_size
-            assert torch.equal(buckets[bucket][meta.offset : end], chunk), (meta.name, meta.chunk_offset)
+            if meta.offset < layout_end:  # the layout's rule for "this chunk opens the next bucket"
+                layout.append([])
+            layout_end = meta.offset + meta.chunk_size
+            layout[-1].append((meta, chunk))
+        assert stats.tensors == len(weights) and stats.buckets == len(layout) >= 4
+        remaining = iter(parts)
+        direct_min = direct_min_bytes(bucket_size)
+        for bucket in layout:
+            packed, end = next(remaining), 0
+            for meta, chunk in bucket:
+                if meta.chunk_size >= direct_min:
+                    assert torch.equal(next(remaining), chunk), (meta.name, meta.chunk_offset)
+                    continue
+                start = -(-end // meta.dtype.itemsize) * meta.dtype.itemsize
+                end = start + meta.chunk_size
+                assert torch.equal(packed[start:end], chunk), (meta.name, meta.chunk_offset)
+            assert packed.numel() == end
+        assert next(remaining, None) is None
     finally:
         sender.close()
         data.shutdown()
