@@ -4,6 +4,11 @@ Each worker is a fresh Python process (``python -m ckpt_core.launch.worker_main`
 JSON lines over two pipes. Calls to several workers run concurrently (a refit needs senders
 and receivers at once); every call has a deadline, and a worker that dies is reported with
 its exit status instead of being waited for.
+
+Like ``torchrun``, the pool gives each worker an equal share of the machine's cores for
+torch's intra-op threads (``OMP_NUM_THREADS``, unless the caller's environment sets it):
+several processes each running a thread pool over every core oversubscribe the machine, and
+a copy split over two busy cores ran slower than on one (measured in README, "Benchmarks").
 """
 
 from __future__ import annotations
@@ -98,6 +103,7 @@ class LocalProcessPool:
         env: dict[str, str] | None = None,
     ) -> None:
         labels = list(labels) if labels is not None else [f"worker {i}" for i in range(len(services))]
+        env = _with_thread_share(env, len(labels))
         self._workers = [_Worker(label, env) for label in labels]
         try:
             results = self.call([(i, "__init__", dict(spec)) for i, spec in enumerate(services)], start_timeout_s)
@@ -180,3 +186,12 @@ class LocalProcessPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _with_thread_share(env: dict[str, str] | None, workers: int) -> dict[str, str]:
+    """``env`` (default: ours) with ``OMP_NUM_THREADS`` set to this worker's share of the cores,
+    unless it is set already."""
+    env = dict(os.environ if env is None else env)
+    if "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, workers)))
+    return env
