@@ -171,11 +171,11 @@ def test_bad_options_are_refused_by_name(options: dict[str, Any], match: str) ->
         make(**options)
 
 
-def test_checksum_defaults_on_and_is_the_host_one() -> None:
+def test_checksum_defaults_off_and_is_the_host_one_when_on() -> None:
     from ckpt_core.checksum import payload_checksum
 
-    assert make()._payload_checksum() is payload_checksum
-    assert make(checksum=False)._payload_checksum() is None
+    assert make()._payload_checksum() is None
+    assert make(checksum=True)._payload_checksum() is payload_checksum
 
 
 # --- rendezvous ----------------------------------------------------------------------------
