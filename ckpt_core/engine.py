@@ -28,6 +28,7 @@ from .base import CheckpointEngine
 from .checksum import payload_checksum
 from .errors import EngineOptionError, InvalidArgumentError, LifecycleError, WireFormatError
 from .hooks import RefitNotifier
+from .host_memory import release_host_pool
 from .pipeline import Checksum, receive_refit, send_refit
 from .stats import RefitStats, Role
 from .transport import BucketReceiver, BucketSender
@@ -142,10 +143,12 @@ class BucketedEngine(CheckpointEngine):
         self._enter(_State.ROLLOUT, rollout_rank)
 
     def finalize(self) -> None:
-        """Release buffers, connections and groups. Idempotent; ``prepare()`` may follow."""
+        """Release buffers, connections, groups and the pooled memory of freed received
+        tensors (:mod:`ckpt_core.host_memory`). Idempotent; ``prepare()`` may follow."""
         try:
             self._drop_transport()
         finally:
+            release_host_pool()
             self._state = _State.NEW
             self._refit_index = 0
             self._busy = False

@@ -1,14 +1,21 @@
-"""Host allocations for received tensors, backed by transparent huge pages where possible.
+"""Host allocations for received tensors: huge pages, a pool of freed blocks, prefaulting.
 
-A receiver hands out tensors that own their memory, so every refit fills fresh allocations.
-With 4 KiB pages the first touch of fresh memory costs a page fault per page: measured here,
-copying 64 MiB into a fresh ``torch.empty`` runs at 0.9 GB/s against 5 GB/s into warm
-memory. An anonymous mapping advised ``MADV_HUGEPAGE`` faults once per 2 MiB and ran the same
-copy at 3.5 GB/s. Small tensors, and kernels without THP, use ``torch.empty``.
+A receiver hands out tensors that own their memory, so every refit fills fresh allocations,
+and fresh memory is slow: the first touch of each page faults, and the kernel zeroes it. With
+4 KiB pages, copying 64 MiB into a fresh ``torch.empty`` ran at 0.9 GB/s here against 5 GB/s
+into warm memory. Three things keep that off a refit's critical path:
 
-The kernel still zeroes each fresh page on first touch (about 0.2 s per GiB here). A receiver
-that knows where bytes will land calls :func:`prefault` on that range from its own thread
-while the transport fills it, so the zeroing runs beside the transfer instead of inside it.
+* Large tensors (``HUGE_PAGE_THRESHOLD`` and up) are anonymous mappings advised
+  ``MADV_HUGEPAGE``: one fault per 2 MiB (the same copy ran at 3.5 GB/s).
+* When such a tensor is freed (its last view gone), its mapping goes back to a per-process
+  pool, and the next tensor of the same size (rounded up to 2 MiB) reuses it, already faulted
+  in. The pool keeps at most ``CKPT_CORE_HOST_POOL_BYTES`` (default 1 GiB; 0 turns it off);
+  :func:`release_host_pool` empties it, and engines do so in ``finalize()``. A loader that
+  drops each batch after loading it keeps only a few buckets' worth in the pool.
+* A receiver that knows where bytes will land calls :func:`prefault` on that range beside the
+  transfer, so the zeroing of fresh pages runs there instead of inside the transfer.
+
+Small tensors use ``torch.empty`` (the C allocator already reuses small blocks).
 """
 
 from __future__ import annotations
@@ -17,28 +24,103 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import threading
+from typing import Any
 
 import torch
 
 HUGE_PAGE_THRESHOLD = 4 << 20
-"""Tensors at least this large (bytes) are mapped with huge pages."""
+"""Tensors at least this large (bytes) are mapped with huge pages and pooled."""
+
+_HUGE_PAGE = 2 << 20
+
+
+def _pool_limit() -> int:
+    raw = os.environ.get("CKPT_CORE_HOST_POOL_BYTES", str(1 << 30))
+    try:
+        return max(0, int(raw))
+    except ValueError:
+        raise ValueError(f"CKPT_CORE_HOST_POOL_BYTES must be a number of bytes, got {raw!r}") from None
+
+
+class _Pool:
+    """Freed mappings by size, up to ``limit`` bytes in all. Thread-safe: a tensor may be
+    freed on any thread."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.pooled_bytes = 0
+        self._free: dict[int, list[mmap.mmap]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> mmap.mmap | None:
+        with self._lock:
+            free = self._free.get(size)
+            if not free:
+                return None
+            self.pooled_bytes -= size
+            return free.pop()
+
+    def give(self, mapping: mmap.mmap, size: int) -> None:
+        with self._lock:
+            if self.pooled_bytes + size <= self.limit:
+                self._free.setdefault(size, []).append(mapping)
+                self.pooled_bytes += size
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self.pooled_bytes = 0
+
+
+_POOL = _Pool(_pool_limit())
+_BLOCK_TYPES: dict[int, type] = {}
+
+
+def _block_type(size: int) -> type:
+    """A ctypes byte array of ``size`` whose instances hand their mapping back to the pool
+    when they die. A tensor made with ``torch.frombuffer`` holds its block until the tensor's
+    storage (every view of it) is freed, so the block's death is the memory's release."""
+    block_type = _BLOCK_TYPES.get(size)
+    if block_type is None:
+
+        def release(block: Any) -> None:
+            _POOL.give(block.mapping, size)
+
+        block_type = _BLOCK_TYPES[size] = type("HostBlock", (ctypes.c_ubyte * size,), {"__del__": release})
+    return block_type
 
 
 def empty_host(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized CPU tensor; huge-page backed when it is large enough to gain from it.
+    """An uninitialized CPU tensor; huge-page backed and pooled when it is large enough to
+    gain from it (see the module docstring).
 
-    The tensor keeps its mapping alive and releases it when the tensor is freed. It cannot be
-    resized in place (``resize_``), like any tensor made from a buffer.
+    It cannot be resized in place (``resize_``), like any tensor made from a buffer.
     """
     nbytes = shape.numel() * dtype.itemsize
     if nbytes < HUGE_PAGE_THRESHOLD or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # THP unsupported here: the mapping still works with small pages
-        pass
-    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).reshape(shape)
+    size = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
+    mapping = _POOL.take(size)
+    if mapping is None:
+        mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP unsupported here: the mapping still works with small pages
+            pass
+    block = _block_type(size).from_buffer(mapping)
+    block.mapping = mapping
+    return torch.frombuffer(block, dtype=torch.uint8, count=nbytes).view(dtype).reshape(shape)
+
+
+def release_host_pool() -> None:
+    """Return the pooled memory of freed tensors to the system."""
+    _POOL.clear()
+
+
+def pooled_bytes() -> int:
+    """Bytes the pool holds now."""
+    return _POOL.pooled_bytes
 
 
 _MADV_POPULATE_WRITE = 23

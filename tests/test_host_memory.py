@@ -1,12 +1,15 @@
-"""Host allocations for received tensors: huge-page mappings and prefaulting."""
+"""Host allocations for received tensors: huge-page mappings, the pool of freed blocks and
+prefaulting."""
 
 from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
-from ckpt_core.host_memory import HUGE_PAGE_THRESHOLD, empty_host, prefault
+from ckpt_core import host_memory
+from ckpt_core.host_memory import HUGE_PAGE_THRESHOLD, empty_host, pooled_bytes, prefault, release_host_pool
 
 
 def test_large_tensors_are_mapped_and_behave_like_any_tensor() -> None:
@@ -40,3 +43,60 @@ def test_prefault_while_another_thread_writes_loses_nothing() -> None:
 def test_prefault_ignores_what_it_cannot_touch() -> None:
     prefault(torch.empty(0, dtype=torch.uint8))
     prefault(torch.zeros(16, dtype=torch.uint8)[3:9])
+
+
+# --- the pool of freed blocks -----------------------------------------------------------------
+
+
+def test_a_freed_tensor_s_memory_serves_the_next_tensor_of_its_size() -> None:
+    release_host_pool()
+    shape = torch.Size([HUGE_PAGE_THRESHOLD // 2])  # int16: exactly the threshold
+    first = empty_host(shape, torch.int16)
+    address = first.data_ptr()
+    first.fill_(7)
+    del first
+    assert pooled_bytes() == HUGE_PAGE_THRESHOLD
+    again = empty_host(shape, torch.int16)
+    assert again.data_ptr() == address and pooled_bytes() == 0
+    assert bool((again == 7).all())  # reused as is: an uninitialized tensor, like torch.empty
+    release_host_pool()
+
+
+def test_memory_stays_with_a_tensor_while_any_view_of_it_lives() -> None:
+    release_host_pool()
+    shape = torch.Size([HUGE_PAGE_THRESHOLD])
+    tensor = empty_host(shape, torch.uint8)
+    view = tensor[5:10].view(torch.int8)
+    address = tensor.data_ptr()
+    del tensor
+    assert pooled_bytes() == 0
+    other = empty_host(shape, torch.uint8)
+    assert other.data_ptr() != address
+    del view
+    assert pooled_bytes() == HUGE_PAGE_THRESHOLD
+    release_host_pool()
+    assert pooled_bytes() == 0
+
+
+def test_the_pool_keeps_no_more_than_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    release_host_pool()
+    monkeypatch.setattr(host_memory._POOL, "limit", 3 * HUGE_PAGE_THRESHOLD)
+    tensors = [empty_host(torch.Size([HUGE_PAGE_THRESHOLD]), torch.uint8) for _ in range(5)]
+    del tensors
+    assert pooled_bytes() == 3 * HUGE_PAGE_THRESHOLD
+    release_host_pool()
+
+
+def test_finalize_returns_pooled_memory() -> None:
+    from helpers.memory_transport import connected_pair, run_refit
+
+    release_host_pool()
+    weights = [("big", torch.randn(HUGE_PAGE_THRESHOLD // 2))]
+    policy, rollout = connected_pair(HUGE_PAGE_THRESHOLD, direct_chunks=True)
+    outcome = run_refit(policy, rollout, lambda: iter(weights))
+    assert outcome.receive_error is None and torch.equal(outcome.received[0][1], weights[0][1])
+    del outcome
+    assert pooled_bytes() > 0
+    policy.finalize()
+    rollout.finalize()
+    assert pooled_bytes() == 0
