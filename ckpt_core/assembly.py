@@ -16,12 +16,14 @@ bucket when its header arrives and fills it once its payload has been verified.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from .base import TensorMeta
 from .dtypes import dtype_name
 from .errors import ChunkStreamError
-from .host_memory import HUGE_PAGE_THRESHOLD, empty_host
+from .host_memory import POOLED_MIN_BYTES, empty_host
 
 
 class Landing:
@@ -54,6 +56,24 @@ class Landing:
         if meta.chunk_size:
             self.target.copy_(chunk)
         return self._output
+
+    def fill_from(self, buffer: torch.Tensor, offset: int) -> torch.Tensor | None:
+        """:meth:`fill` from the chunk's place in a received bucket: bytes ``[offset, offset +
+        chunk_size)`` of ``buffer``, a contiguous 1-D ``uint8`` tensor. A small whole tensor
+        on the host is built with one allocation and one ``memmove``, no intermediate views:
+        this runs once per tensor, and torch's per-op cost dominates for small ones."""
+        meta = self.meta
+        end = offset + meta.chunk_size
+        if end > buffer.numel():
+            raise ChunkStreamError(
+                f"tensor {meta.name!r}: chunk [{offset}, {end}) lies outside the {buffer.numel()}-byte buffer"
+            )
+        if self.target is None and self._device is None and buffer.device.type == "cpu":
+            whole = torch.empty(meta.shape, dtype=meta.dtype)
+            if meta.chunk_size:
+                ctypes.memmove(whole.data_ptr(), buffer.data_ptr() + offset, meta.chunk_size)
+            return whole
+        return self.fill(buffer[offset:end])
 
     def landed(self) -> torch.Tensor | None:
         """The chunk's bytes were received into ``target`` directly: the whole tensor if
@@ -101,7 +121,7 @@ class ChunkAssembler:
                 )
             device = self._device if self._device is not None else chunk_device
             nbytes = meta.nbytes
-            if not in_place and meta.chunk_size == nbytes and nbytes < HUGE_PAGE_THRESHOLD:
+            if not in_place and meta.chunk_size == nbytes and nbytes < POOLED_MIN_BYTES:
                 move_to = None if device == chunk_device else device
                 return Landing(meta, None, None, move_to)
             pending = self._pending = _Partial(meta, _allocate(meta, device))

@@ -93,17 +93,20 @@ class TensorMeta:
         Types, signs, the tensor's size (at most ``MAX_TENSOR_BYTES``) and the chunk's bounds
         inside the tensor are checked before anything is built; ``WireFormatError`` otherwise.
         """
-        if not isinstance(name, str):
+        if type(name) is not str:
             raise WireFormatError(f"tensor name must be a string, got {type(name).__name__}")
-        if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
+        # type(...) is int: exact ints only (bool is a subclass of int, and refused)
+        if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
             raise WireFormatError(f"tensor {name!r}: shape must be a list of ints >= 0, got {shape!r}")
         torch_dtype = dtype_from_name(dtype)
         nbytes = math.prod(shape) * torch_dtype.itemsize
-        if nbytes > MAX_TENSOR_BYTES or any(d > MAX_TENSOR_BYTES for d in shape):
+        # A non-empty tensor's dimensions are each at most its size; an empty one's need a look.
+        if nbytes > MAX_TENSOR_BYTES or (nbytes == 0 and any(d > MAX_TENSOR_BYTES for d in shape)):
             raise WireFormatError(f"tensor {name!r}: shape {shape} is {nbytes} bytes, over {MAX_TENSOR_BYTES}")
-        for field, value in (("chunk_offset", chunk_offset), ("chunk_size", chunk_size)):
-            if not _is_uint(value):
-                raise WireFormatError(f"tensor {name!r}: {field} must be an int >= 0, got {value!r}")
+        if type(chunk_offset) is not int or chunk_offset < 0:
+            raise WireFormatError(f"tensor {name!r}: chunk_offset must be an int >= 0, got {chunk_offset!r}")
+        if type(chunk_size) is not int or chunk_size < 0:
+            raise WireFormatError(f"tensor {name!r}: chunk_size must be an int >= 0, got {chunk_size!r}")
         if offset is not None and not _is_uint(offset):
             raise WireFormatError(f"tensor {name!r}: offset must be an int >= 0 or None, got {offset!r}")
         if chunk_offset + chunk_size > nbytes:
@@ -216,7 +219,8 @@ def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
         # same element size has one, and copying it moves exactly the same bytes.
         same_size = _INT_OF_SIZE.get(tensor.dtype.itemsize)
         tensor = (tensor.view(same_size) if same_size is not None else tensor).contiguous()
-    return tensor.reshape(-1).view(torch.uint8)
+    flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -254,9 +258,8 @@ def _split(
         done = 0
         while True:
             offset, take = _place(used, total - done, align, bucket_size)
-            yield TensorMeta(name, tensor.shape, tensor.dtype, done, take, offset), data[
-                done : done + take
-            ]
+            chunk = data if take == total else data[done : done + take]
+            yield TensorMeta(name, tensor.shape, tensor.dtype, done, take, offset), chunk
             used = offset + take
             done += take
             if done == total:

@@ -59,7 +59,7 @@ def check_transferable(name: str, tensor: object) -> torch.Tensor:
             f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor; "
             "yield (name, tensor) pairs"
         )
-    if tensor.is_quantized or dtype_name(tensor.dtype) in _QUANTIZED:
+    if tensor.is_quantized:
         raise UnsupportedTensorError(
             f"weight {name!r} is quantized ({dtype_name(tensor.dtype)}); its scale and zero "
             "point are not part of its bytes: dequantize it, or send int_repr() and the "
@@ -70,7 +70,7 @@ def check_transferable(name: str, tensor: object) -> torch.Tensor:
             f"weight {name!r} has layout {tensor.layout}; only dense (strided) tensors can be "
             "sent: call .to_dense() first"
         )
-    if tensor.device.type == "meta":
+    if tensor.is_meta:
         raise UnsupportedTensorError(
             f"weight {name!r} is on the meta device and has no data; materialize it first"
         )

@@ -57,6 +57,10 @@ Checksum = Callable[[torch.Tensor], int]
 DIRECT_MIN_BYTES = 1 << 20
 """Chunks this large go direct: one more message costs less than copying them in and out."""
 
+MAX_CHUNKS_PER_BUCKET = 512
+"""A bucket of many small tensors is posted at this many chunks, so the receiver unpacks one
+while the sender packs the next instead of waiting for a whole bucket of them."""
+
 
 def direct_min_bytes(bucket_size: int) -> int:
     """The smallest chunk sent direct: ``DIRECT_MIN_BYTES``, or a quarter of a smaller bucket
@@ -163,12 +167,12 @@ class _BucketPacker:
         """Pack (or queue as direct) one chunk, first posting the open bucket if the chunk
         starts a new one in ``split_weight_chunks``' layout."""
         assert meta.offset is not None
-        if meta.offset < self.layout_end:
+        if meta.offset < self.layout_end or len(self.chunks) >= MAX_CHUNKS_PER_BUCKET:
             await self._post(last=False)
         self.layout_end = meta.offset + meta.chunk_size
         self.stats.payload_bytes += meta.chunk_size
         if self.direct_min is not None and meta.chunk_size >= self.direct_min and chunk.device == self.buffer.device:
-            self.chunks.append(dataclasses.replace(meta, offset=None))
+            self.chunks.append(TensorMeta(meta.name, meta.shape, meta.dtype, meta.chunk_offset, meta.chunk_size, None))
             self.direct.append(chunk)
             return
         # Packed chunks close up the room direct chunks left, keeping their alignment; they
@@ -180,7 +184,9 @@ class _BucketPacker:
             start = time.perf_counter()  # inline, not _timed: this runs once per chunk
             self.sender.pack(self.slot, offset, chunk)
             self.stats.pack_seconds += time.perf_counter() - start
-        self.chunks.append(meta if offset == meta.offset else dataclasses.replace(meta, offset=offset))
+        if offset != meta.offset:
+            meta = TensorMeta(meta.name, meta.shape, meta.dtype, meta.chunk_offset, meta.chunk_size, offset)
+        self.chunks.append(meta)
         self.packed_end = offset + meta.chunk_size
 
     async def finish(self) -> None:
@@ -402,7 +408,7 @@ class _BucketStream:
             meta = landing.meta
             if received is None:
                 assert meta.offset is not None
-                tensor = landing.fill(payload[meta.offset : meta.offset + meta.chunk_size])
+                tensor = landing.fill_from(payload, meta.offset)
             elif received is landing.target:
                 tensor = landing.landed()
             else:

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .host_memory import copy_into
+
 
 class BucketSender(abc.ABC):
     """Sender side: moves a packed slot and its header to every receiver of this sender."""
@@ -43,7 +45,7 @@ class BucketSender(abc.ABC):
         Override to pack elsewhere than the caller's stream (a device transport may queue the
         copy on its own CUDA stream); the copy must be ordered before the slot's ``post``.
         """
-        self.buffer(slot)[offset : offset + chunk.numel()].copy_(chunk)
+        copy_into(self.buffer(slot), offset, chunk)
 
     @abc.abstractmethod
     def post(
