@@ -12,6 +12,7 @@ from .units import format_size
 
 _STYLE = {
     "gloo_paired": {"color": "tab:blue", "marker": "o", "linestyle": "-"},
+    "gloo_paired_checksum": {"color": "tab:blue", "marker": "o", "linestyle": ":"},
     "gloo_broadcast": {"color": "tab:cyan", "marker": "s", "linestyle": "-"},
     "ipc_1to1": {"color": "tab:red", "marker": "o", "linestyle": "-"},
     "ipc_1to2": {"color": "tab:orange", "marker": "s", "linestyle": "-"},

@@ -372,7 +372,7 @@ def _max_mib(memory: list[dict[str, Any]], field: str) -> str:
     return _mib_text(max(values)) if values else "-"
 
 
-_ORDER = ("gloo_paired", "gloo_broadcast", "ipc_1to1", "ipc_1to2", "raw_paired", "raw_paired_pieces", "raw_broadcast",
+_ORDER = ("gloo_paired", "gloo_paired_checksum", "gloo_broadcast", "ipc_1to1", "ipc_1to2", "raw_paired", "raw_paired_pieces", "raw_broadcast",
           "memcpy", "naive_torch_1to1", "naive_torch_1to2", "naive_safetensors_1to1")
 
 

@@ -36,7 +36,7 @@ from .units import format_size, parse_size, parse_sizes
 from .weights import Payload, small_payload, write_payload
 
 RESULTS = Path(__file__).resolve().parent / "results"
-BUCKET_METHODS = ("gloo_paired", "gloo_broadcast", "ipc_1to1", "ipc_1to2", "raw_paired_pieces")
+BUCKET_METHODS = ("gloo_paired", "gloo_paired_checksum", "gloo_broadcast", "ipc_1to1", "ipc_1to2", "raw_paired_pieces")
 BASELINE_METHODS = ("raw_paired", "raw_broadcast", "memcpy", "naive_torch_1to1", "naive_torch_1to2",
                     "naive_safetensors_1to1")
 ALL_METHODS = BUCKET_METHODS + BASELINE_METHODS + ("per_tensor",)
@@ -111,6 +111,10 @@ def _bucket_methods(bucket: int, selected: Sequence[str], timeout_s: float) -> l
         "gloo_paired": RefitMethod(key="gloo_paired", label="gloo_cpu paired", backend="gloo_cpu", num_rollout=1,
                                    bucket_size=bucket, engine_kwargs={"topology": "paired"}, topology="paired",
                                    timeout_s=timeout_s),
+        "gloo_paired_checksum": RefitMethod(key="gloo_paired_checksum", label="gloo_cpu paired, checksum=True",
+                                            backend="gloo_cpu", num_rollout=1, bucket_size=bucket,
+                                            engine_kwargs={"topology": "paired", "checksum": True},
+                                            topology="paired", timeout_s=timeout_s),
         "gloo_broadcast": RefitMethod(key="gloo_broadcast", label="gloo_cpu broadcast", backend="gloo_cpu",
                                       num_rollout=2, bucket_size=bucket, engine_kwargs={"topology": "broadcast"},
                                       topology="broadcast", timeout_s=timeout_s),

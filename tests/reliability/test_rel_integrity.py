@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 BUCKET = 64 << 10
 P, R0 = 0, 1
 SIZES = {"sizes": [3 * BUCKET, BUCKET // 2, 2 * BUCKET + 4]}  # several full buckets
-OPTIONS = {"timeout_s": 10}  # the policy waits this long after its rollout failed (see below)
+OPTIONS = {"timeout_s": 10, "checksum": True}  # the policy waits this long after its rollout failed (see below)
 
 
 def test_a_flipped_bit_in_flight_raises_integrity_error_on_the_receiver(team: Team) -> None:
@@ -45,7 +45,8 @@ def test_a_receiver_side_failure_ends_the_senders_refit_promptly(team: Team) -> 
     timeout_s = 12.0
     coordinator = team.coordinator(
         policy=[P], rollout=[R0], backend="fault_engines:CorruptingGlooEngine", bucket_size=BUCKET,
-        engine_kwargs={"timeout_s": timeout_s, "corrupt_bucket": 1}, weights="ckpt_core.testing.weights:sized",
+        engine_kwargs={"timeout_s": timeout_s, "corrupt_bucket": 1, "checksum": True},
+        weights="ckpt_core.testing.weights:sized",
         weights_params={"sizes": [12 * BUCKET]},
     )
     coordinator.setup()
@@ -63,7 +64,7 @@ def test_a_receiver_side_failure_ends_the_senders_refit_promptly(team: Team) -> 
 
 
 def test_without_checksums_the_same_corruption_reaches_the_caller(team: Team) -> None:
-    """Why checksums are on by default: with them off, the engine hands the corrupt tensor to
+    """What checksums are for: with them off, the engine hands the corrupt tensor to
     the caller as a successful refit; only the coordinator's digest check (verify=True, a
     test-time cost most deployments do not pay) notices."""
     coordinator = team.coordinator(

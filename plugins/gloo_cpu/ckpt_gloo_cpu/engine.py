@@ -13,7 +13,7 @@ class GlooCpuCheckpointEngine(DistributedEngine):
 
     Options: ``bucket_size`` (bytes), ``topology`` (``"broadcast"`` | ``"paired"``), ``host``
     (address to bind and advertise, default ``127.0.0.1``), ``timeout_s`` (every wait, default
-    300), ``checksum`` (default on). See :class:`ckpt_core.distributed.DistributedEngine`.
+    300), ``checksum`` (default off: measured, not cheap). See :class:`ckpt_core.distributed.DistributedEngine`.
     """
 
     backend_name: ClassVar[str] = "gloo_cpu"
