@@ -4,8 +4,8 @@
         [--checksum on|off|both] [--rollouts 1 2] [--json out.json]
 
 One policy process sends a transformer-shaped state dict to one, then to two rollout
-processes (every tensor checked bit-exact by digest), with checksums on (each backend's
-default) and off. The backends' worker pools are up at the same time and their refits
+processes (every tensor checked bit-exact by digest), with checksums on and off (both
+backends default to off). The backends' worker pools are up at the same time and their refits
 alternate, round by round, with a one-thread memcpy of the same bytes into warm memory in
 between, so a shared machine's changing load falls on all of them alike. Reported: median
 GB/s per backend (payload bytes over the slowest rollout's refit time) and the median of the
