@@ -10,7 +10,8 @@ into warm memory. Three things keep that off a refit's critical path:
   copy ran at 3.5 GB/s).
 * When such a tensor is freed (its last view gone), its mapping goes back to a per-process
   pool, and the next tensor of the same size (rounded up to a page, or to 2 MiB with huge
-  pages) reuses it, already faulted in. Memory use is also steadier than through the C
+  pages) reuses it, already faulted in. A full pool makes room for a newly freed block by
+  dropping its oldest ones. Memory use is also steadier than through the C
   allocator, whose heap kept a few MiB more or less from one refit to the next. The pool keeps at most ``CKPT_CORE_HOST_POOL_BYTES`` (default 1 GiB; 0 turns it off);
   :func:`release_host_pool` empties it, and engines do so in ``finalize()``. A loader that
   drops each batch after loading it keeps only a few buckets' worth in the pool.
@@ -22,6 +23,7 @@ Smaller tensors use ``torch.empty`` (the C allocator already reuses small blocks
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import ctypes.util
 import mmap
@@ -49,13 +51,15 @@ def _pool_limit() -> int:
 
 
 class _Pool:
-    """Freed mappings by size, up to ``limit`` bytes in all. Thread-safe: a tensor may be
-    freed on any thread."""
+    """Freed mappings by size, up to ``limit`` bytes in all, keeping the most recently freed:
+    a block given back to a full pool evicts the oldest ones, so memory of sizes a workload no
+    longer uses does not stay. Thread-safe: a tensor may be freed on any thread."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.pooled_bytes = 0
         self._free: dict[int, list[mmap.mmap]] = {}
+        self._age: collections.OrderedDict[int, tuple[int, mmap.mmap]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def take(self, size: int) -> mmap.mmap | None:
@@ -63,18 +67,27 @@ class _Pool:
             free = self._free.get(size)
             if not free:
                 return None
+            mapping = free.pop()
+            del self._age[id(mapping)]
             self.pooled_bytes -= size
-            return free.pop()
+            return mapping
 
     def give(self, mapping: mmap.mmap, size: int) -> None:
+        if size > self.limit:
+            return
         with self._lock:
-            if self.pooled_bytes + size <= self.limit:
-                self._free.setdefault(size, []).append(mapping)
-                self.pooled_bytes += size
+            while self.pooled_bytes + size > self.limit:
+                old_size, old = self._age.popitem(last=False)[1]
+                self._free[old_size].remove(old)
+                self.pooled_bytes -= old_size
+            self._free.setdefault(size, []).append(mapping)
+            self._age[id(mapping)] = (size, mapping)
+            self.pooled_bytes += size
 
     def clear(self) -> None:
         with self._lock:
             self._free.clear()
+            self._age.clear()
             self.pooled_bytes = 0
 
 

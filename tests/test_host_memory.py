@@ -100,3 +100,20 @@ def test_finalize_returns_pooled_memory() -> None:
     policy.finalize()
     rollout.finalize()
     assert pooled_bytes() == 0
+
+
+def test_a_full_pool_keeps_the_most_recently_freed_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A workload that changed tensor sizes must not leave the old sizes' memory pooled."""
+    release_host_pool()
+    size_a, size_b = 2 * HUGE_PAGE_THRESHOLD, 3 * HUGE_PAGE_THRESHOLD
+    monkeypatch.setattr(host_memory._POOL, "limit", 2 * size_b)
+    old = [empty_host(torch.Size([size_a]), torch.uint8) for _ in range(2)]
+    del old
+    assert pooled_bytes() == 2 * size_a
+    new = [empty_host(torch.Size([size_b]), torch.uint8) for _ in range(2)]
+    addresses = {t.data_ptr() for t in new}
+    del new
+    assert pooled_bytes() == 2 * size_b  # both size_a blocks made room
+    again = [empty_host(torch.Size([size_b]), torch.uint8) for _ in range(2)]
+    assert {t.data_ptr() for t in again} == addresses
+    release_host_pool()
