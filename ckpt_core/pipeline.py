@@ -4,8 +4,9 @@ Sender: ``split_weight_chunks`` lays chunks out in buckets. A chunk of at least
 ``direct_min_bytes`` goes *direct* when the transport allows it (``direct_chunks``): it is sent
 from the caller's tensor as a message of its own. Every other chunk is copied into the
 transport's slot buffer, packed at the next offset aligned to its element size. Each bucket is
-checksummed and posted with its header; packing then continues in the other slot while the
-first is in flight (double buffering). The last bucket carries ``last=True``, so a refit of no
+checksummed and posted with its header (early, at ``MAX_CHUNKS_PER_BUCKET`` chunks, so many
+small tensors stream instead of waiting for a full bucket); packing then continues in the other
+slot while the first is in flight (double buffering). The last bucket carries ``last=True``, so a refit of no
 tensors is one empty bucket.
 
 Receiver: each header is planned by a :class:`~ckpt_core.assembly.ChunkAssembler` as soon as it
@@ -165,7 +166,7 @@ class _BucketPacker:
 
     async def add(self, meta: TensorMeta, chunk: torch.Tensor) -> None:
         """Pack (or queue as direct) one chunk, first posting the open bucket if the chunk
-        starts a new one in ``split_weight_chunks``' layout."""
+        starts a new one in ``split_weight_chunks``' layout or the bucket is full of chunks."""
         assert meta.offset is not None
         if meta.offset < self.layout_end or len(self.chunks) >= MAX_CHUNKS_PER_BUCKET:
             await self._post(last=False)
