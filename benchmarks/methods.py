@@ -243,19 +243,36 @@ class FloorMethod(Method):
 
 
 class MemcpyMethod(Method):
-    """Single-thread copy of the payload's bytes into warm memory, in one process."""
+    """Single-thread copies of the payload's bytes into warm memory: one process, or several
+    at once (each copying the whole payload), which is the ceiling of a pipeline that copies
+    every byte once per process, such as shared memory (the sender packs, each receiver copies
+    out): on a machine whose cores share one memory bus, concurrent copies each run slower."""
 
-    key, label, kind, shape = "memcpy", "memcpy, 1 thread (memory limit)", "memory", "local"
+    kind, shape = "memory", "local"
+
+    def __init__(self, *, processes: int = 1, timeout_s: float) -> None:
+        super().__init__(timeout_s=timeout_s)
+        if processes < 1:
+            raise ValueError(f"processes must be >= 1, got {processes}")
+        self.processes = processes
+        if processes == 1:
+            self.key, self.label = "memcpy", "memcpy, 1 thread (memory limit)"
+        else:
+            self.key, self.label = f"memcpy_{processes}proc", f"memcpy, {processes} processes at once"
 
     def open(self) -> None:
-        self._start([{"service": "benchmarks.services:MemcpyWorker"}], ["memcpy worker"])
+        labels = [f"memcpy worker {i}" for i in range(self.processes)]
+        self._start([{"service": "benchmarks.services:MemcpyWorker"}] * self.processes, labels)
 
     def sample(self, payload: Payload) -> Sample:
-        (record,) = self._call("memcpy", [(0, "copy", {"weights": payload.weights,
-                                                       "weights_params": payload.weights_params})])
-        if record["payload_bytes"] != payload.payload_bytes:
-            raise RuntimeError(f"memcpy copied {record['payload_bytes']} bytes, expected {payload.payload_bytes}")
-        return Sample(record["ended_at"] - record["started_at"], (_worker_sample("memcpy worker", "local", record),))
+        kwargs = {"weights": payload.weights, "weights_params": payload.weights_params}
+        records = self._call("memcpy", [(i, "copy", kwargs) for i in range(self.processes)])
+        for record in records:
+            if record["payload_bytes"] != payload.payload_bytes:
+                raise RuntimeError(f"memcpy copied {record['payload_bytes']} bytes, expected {payload.payload_bytes}")
+        seconds = max(r["ended_at"] for r in records) - min(r["started_at"] for r in records)
+        workers = tuple(_worker_sample(f"memcpy worker {i}", "local", r) for i, r in enumerate(records))
+        return Sample(seconds, workers)
 
 
 class NaiveMethod(Method):

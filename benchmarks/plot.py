@@ -19,6 +19,8 @@ _STYLE = {
     "raw_paired": {"color": "tab:blue", "marker": "x", "linestyle": "--"},
     "raw_broadcast": {"color": "tab:cyan", "marker": "x", "linestyle": "--"},
     "raw_paired_pieces": {"color": "tab:purple", "marker": "+", "linestyle": ":"},
+    "memcpy_2proc": {"color": "black", "marker": "", "linestyle": ":"},
+    "memcpy_3proc": {"color": "dimgray", "marker": "", "linestyle": ":"},
     "naive_torch_1to1": {"color": "tab:gray", "marker": "v", "linestyle": "-."},
     "naive_torch_1to2": {"color": "dimgray", "marker": "^", "linestyle": "-."},
     "naive_safetensors_1to1": {"color": "tab:brown", "marker": "d", "linestyle": "-."},

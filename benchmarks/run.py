@@ -37,8 +37,8 @@ from .weights import Payload, small_payload, write_payload
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BUCKET_METHODS = ("gloo_paired", "gloo_paired_checksum", "gloo_broadcast", "ipc_1to1", "ipc_1to2", "raw_paired_pieces")
-BASELINE_METHODS = ("raw_paired", "raw_broadcast", "memcpy", "naive_torch_1to1", "naive_torch_1to2",
-                    "naive_safetensors_1to1")
+BASELINE_METHODS = ("raw_paired", "raw_broadcast", "memcpy", "memcpy_2proc", "memcpy_3proc", "naive_torch_1to1",
+                    "naive_torch_1to2", "naive_safetensors_1to1")
 ALL_METHODS = BUCKET_METHODS + BASELINE_METHODS + ("per_tensor",)
 PER_TENSOR_BUCKET = 64 << 20
 
@@ -137,6 +137,8 @@ def _baseline_methods(selected: Sequence[str], scratch: Path, timeout_s: float) 
         "raw_broadcast": FloorMethod(key="raw_broadcast", label="raw Gloo broadcast (floor)", topology="broadcast",
                                      num_receivers=2, timeout_s=timeout_s),
         "memcpy": MemcpyMethod(timeout_s=timeout_s),
+        "memcpy_2proc": MemcpyMethod(processes=2, timeout_s=timeout_s),
+        "memcpy_3proc": MemcpyMethod(processes=3, timeout_s=timeout_s),
         "naive_torch_1to1": NaiveMethod(key="naive_torch_1to1", label="naive torch.save -> torch.load", fmt="torch",
                                         num_receivers=1, scratch=scratch, timeout_s=timeout_s),
         "naive_torch_1to2": NaiveMethod(key="naive_torch_1to2", label="naive torch.save -> torch.load", fmt="torch",

@@ -26,7 +26,7 @@ def _log(message: str) -> None:
 def test_tiny_run_writes_a_complete_report(tmp_path: Path) -> None:
     args = _parser().parse_args([
         "--payloads", "8MiB", "--buckets", "4MiB", "--reps", "1", "--per-tensor-count", "0",
-        "--methods", "gloo_paired,raw_paired,memcpy", "--no-plot", "--out", str(tmp_path), "--timeout", "120",
+        "--methods", "gloo_paired,raw_paired,memcpy,memcpy_2proc", "--no-plot", "--out", str(tmp_path), "--timeout", "120",
     ])
     config = _config(args)
     doc = run(config)
@@ -42,7 +42,7 @@ def test_tiny_run_writes_a_complete_report(tmp_path: Path) -> None:
     assert payload["label"] == "8 MiB" and payload["tensors"] > 2
 
     cases = {c["key"]: c for c in loaded["cases"]}
-    assert set(cases) == {"gloo_paired", "raw_paired", "memcpy"}
+    assert set(cases) == {"gloo_paired", "raw_paired", "memcpy", "memcpy_2proc"}
     for case in cases.values():
         assert case["error"] is None, case["error"]
         assert case["group"] == "bucket 4 MiB" and case["payload"] == "8 MiB"
@@ -55,7 +55,9 @@ def test_tiny_run_writes_a_complete_report(tmp_path: Path) -> None:
     assert refit["kind"] == "refit" and refit["shape"] == "1->1" and refit["bucket_size"] == 4 << 20
     assert refit["stats"]["sender"]["buckets"] >= 2 and refit["stats"]["receiver"]["buckets"] >= 2
     assert refit["ratios"]["raw_gloo"] > 0 and refit["ratios"]["memcpy"] > 0
+    assert refit["ratios"]["copies_at_once"] > 0  # beside memcpy_2proc, its 1->1 ceiling
     assert refit["ratios"]["naive_torch"] is None  # not selected
+    assert len(cases["memcpy_2proc"]["memory"]["workers"]) == 2
     assert refit["cpu_seconds"]["sender"] > 0 and refit["cpu_seconds"]["receiver"] > 0
     assert cases["memcpy"]["cpu_seconds"]["local"] > 0
     # The receiver holds the whole payload at its peak, so its peak is at least base + payload
