@@ -13,10 +13,14 @@ Topologies:
 * ``paired``: one two-member group per pair (policy rank ``i``, rollout rank ``i``). Needs at
   least as many policy as rollout ranks; policy ranks without a partner drain their weights.
 
-Per bucket: the header's length (one int64), the header bytes, the packed payload, then each
-direct chunk (received straight into its output tensor), each a send/recv (paired) or a
-broadcast (broadcast). Headers travel on the control group (always
-Gloo, on the host); payloads on the data group (Gloo for host buffers, NCCL for device ones).
+Per bucket: a header frame (``HEADER_FRAME_BYTES``: the header's length, then as much of the
+header as fits), the rest of a longer header, the packed payload, then each direct chunk
+(received straight into its output tensor), each a send/recv (paired) or a broadcast
+(broadcast). A frame has a fixed size so a receiver can post the next one before the bytes of
+the current bucket have arrived (``expect_header``): when they have, the next header is there,
+and the link does not idle for a header's round trip between buckets. Headers travel on the
+control group (always Gloo, on the host); payloads on the data group (Gloo for host buffers,
+NCCL for device ones).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import abc
 import datetime
 import gc
 import socket
+import struct
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -38,7 +43,12 @@ from .transport import BucketReceiver, BucketSender
 from .wire import MAX_HEADER_BYTES
 
 TOPOLOGIES = ("broadcast", "paired")
-_LENGTH_TAG, _HEADER_TAG, _PAYLOAD_TAG = 1, 2, 3
+_FRAME_TAG, _HEADER_REST_TAG, _PAYLOAD_TAG = 1, 2, 3
+
+HEADER_FRAME_BYTES = 64 << 10
+"""A header frame: an 8-byte little-endian length, then the header's first bytes. Headers of up
+to ``HEADER_FRAME_BYTES - 8`` bytes (about 700 chunks) travel in the frame alone."""
+_FRAME_ROOM = HEADER_FRAME_BYTES - 8
 
 
 def _timedelta(seconds: float) -> datetime.timedelta:
@@ -96,6 +106,7 @@ class DistributedSender(BucketSender):
     def __init__(self, link: Link, bucket_size: int, device: torch.device) -> None:
         self.link = link
         self._buffers = [torch.empty(bucket_size, dtype=torch.uint8, device=device) for _ in range(self.num_slots)]
+        self._frames = [torch.zeros(HEADER_FRAME_BYTES, dtype=torch.uint8) for _ in range(self.num_slots)]
         self._in_flight: list[list[Any]] = [[] for _ in range(self.num_slots)]
         self._sending: list[list[torch.Tensor]] = [[] for _ in range(self.num_slots)]
 
@@ -105,11 +116,17 @@ class DistributedSender(BucketSender):
     def post(
         self, slot: int, header: bytes, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()
     ) -> None:
-        length = torch.tensor([len(header)], dtype=torch.int64)
-        encoded = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        frame = self._frames[slot]  # free: wait_slot(slot) preceded this post
+        view = memoryview(frame.numpy())
+        struct.pack_into("<Q", view, 0, len(header))
+        view[8 : 8 + min(len(header), _FRAME_ROOM)] = header[:_FRAME_ROOM]
         link = self.link
-        works = [link.post(link.control, length, _LENGTH_TAG), link.post(link.control, encoded, _HEADER_TAG)]
-        tensors = [length, encoded]  # alive until the sends complete
+        works = [link.post(link.control, frame, _FRAME_TAG)]
+        tensors = [frame]  # alive until the sends complete
+        if len(header) > _FRAME_ROOM:
+            rest = torch.frombuffer(bytearray(header[_FRAME_ROOM:]), dtype=torch.uint8)
+            works.append(link.post(link.control, rest, _HEADER_REST_TAG))
+            tensors.append(rest)
         payloads = [self._buffers[slot][:nbytes], *direct] if nbytes else list(direct)
         for data in payloads:
             works.append(link.post(link.data, data, _PAYLOAD_TAG))
@@ -135,20 +152,31 @@ class DistributedReceiver(BucketReceiver):
         self.link = link
         self._buffers = [torch.empty(bucket_size, dtype=torch.uint8, device=device) for _ in range(self.num_slots)]
         self._in_flight: list[list[Any]] = [[] for _ in range(self.num_slots)]
-        self._length = torch.empty(1, dtype=torch.int64)
+        self._frame = torch.zeros(HEADER_FRAME_BYTES, dtype=torch.uint8)
+        self._frame_in_flight: list[Any] = []
 
     def buffer(self, slot: int) -> torch.Tensor:
         return self._buffers[slot]
 
+    def expect_header(self) -> None:
+        if not self._frame_in_flight:
+            link = self.link
+            self._frame_in_flight = [link.post(link.control, self._frame, _FRAME_TAG)]
+
     def recv_header(self, timeout_s: float) -> bytes:
+        self.expect_header()
         link = self.link
-        link.wait([link.post(link.control, self._length, _LENGTH_TAG)], timeout_s, "receiving a bucket header")
-        length = int(self._length[0])
+        link.wait(self._frame_in_flight, timeout_s, "receiving a bucket header")
+        frame = self._frame.numpy()
+        (length,) = struct.unpack_from("<Q", frame)
         if not 0 < length <= MAX_HEADER_BYTES:
             raise WireFormatError(f"bucket header length {length} is outside (0, {MAX_HEADER_BYTES}]")
-        encoded = torch.empty(length, dtype=torch.uint8)
-        link.wait([link.post(link.control, encoded, _HEADER_TAG)], timeout_s, "receiving a bucket header")
-        return encoded.numpy().tobytes()
+        head = frame[8 : 8 + min(length, _FRAME_ROOM)].tobytes()
+        if length <= _FRAME_ROOM:
+            return head
+        rest = torch.empty(length - _FRAME_ROOM, dtype=torch.uint8)
+        link.wait([link.post(link.control, rest, _HEADER_REST_TAG)], timeout_s, "receiving a bucket header")
+        return head + rest.numpy().tobytes()
 
     def post_payload(
         self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()
@@ -162,6 +190,7 @@ class DistributedReceiver(BucketReceiver):
 
     def close(self) -> None:
         self._in_flight = [[] for _ in range(self.num_slots)]
+        self._frame_in_flight = []
         self._buffers = []
         self.link.release()
 

@@ -313,6 +313,8 @@ class _BucketStream:
                     )
                 else:
                     self.receiver.post_payload(bucket.slot, bucket.header.payload_nbytes, self.refit.timeout_s)
+                if not bucket.header.last:
+                    self.receiver.expect_header()
             with _timed(self.stats, "unpack_seconds"):
                 for target in bucket.direct:  # fresh pages are zeroed here, beside the transfer
                     prefault(target)

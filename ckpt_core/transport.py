@@ -91,6 +91,11 @@ class BucketReceiver(abc.ABC):
     def recv_header(self, timeout_s: float) -> bytes:
         """Block for the next header's bytes."""
 
+    def expect_header(self) -> None:
+        """Another header will follow: a transport may start receiving it now, so it is there
+        when the current bucket's bytes are. Called after ``post_payload`` of a bucket that is
+        not the refit's last, never twice without a ``recv_header`` between. Default: nothing."""
+
     @abc.abstractmethod
     def post_payload(
         self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()

@@ -16,7 +16,9 @@ from .base import TensorMeta
 from .dtypes import dtype_name
 from .errors import WireFormatError
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+"""Raised whenever a byte layout between peers changes (this header, or a transport's framing:
+3 added the distributed transports' fixed-size header frames). Peers check it at init."""
 MAX_HEADER_BYTES = 64 << 20
 """Upper bound on an encoded header (about 500k chunks); a larger length is refused unread."""
 

@@ -60,12 +60,14 @@ def sized(params: dict[str, Any], *, refit_index: int, rank: int) -> Weights:
 
 
 def tiny(params: dict[str, Any], *, refit_index: int, rank: int) -> Weights:
-    """``params["count"]`` tensors of ``params.get("nbytes", 16)`` bytes each."""
+    """``params["count"]`` tensors of ``params.get("nbytes", 16)`` bytes each, named
+    ``tiny.<i>``, padded with dots to ``params.get("name_length", 0)`` characters."""
     g = _generator(params, refit_index)
     nbytes = int(params.get("nbytes", 16))
+    name_length = int(params.get("name_length", 0))
     data = random_bytes(int(params["count"]) * nbytes, g).view(-1, nbytes)
     for i in range(int(params["count"])):
-        yield f"tiny.{i}", data[i].view(torch.float32) if nbytes % 4 == 0 else data[i]
+        yield f"tiny.{i}".ljust(name_length, "."), data[i].view(torch.float32) if nbytes % 4 == 0 else data[i]
 
 
 def nothing(params: dict[str, Any], *, refit_index: int, rank: int) -> Weights:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from ckpt_core.coordinator import RefitCoordinator, RefitFailedError
+from ckpt_core.distributed import HEADER_FRAME_BYTES
 from ckpt_core.launch.local import LocalProcessPool
 from ckpt_core.worker import refit_worker_specs
 
@@ -59,6 +60,14 @@ def test_tensors_larger_than_the_bucket(coordinator: RefitCoordinator) -> None:
 def test_ten_thousand_tiny_tensors(coordinator: RefitCoordinator) -> None:
     report = coordinator.refit(weights=W + "tiny", weights_params={"count": 10_000, "nbytes": 12})
     assert all(r["tensors"] == 10_000 for r in report.rollout)
+
+
+def test_headers_longer_than_one_frame(coordinator: RefitCoordinator) -> None:
+    """Long names make each bucket's header larger than the fixed-size header frame, so the
+    rest of it travels as a message of its own."""
+    params = {"count": 300, "nbytes": 8, "name_length": HEADER_FRAME_BYTES // 100}
+    report = coordinator.refit(weights=W + "tiny", weights_params=params)
+    assert all(r["tensors"] == 300 for r in report.rollout)
 
 
 def test_generator_that_yields_nothing(coordinator: RefitCoordinator) -> None:
