@@ -96,8 +96,11 @@ class TensorMeta:
         if type(name) is not str:
             raise WireFormatError(f"tensor name must be a string, got {type(name).__name__}")
         # type(...) is int: exact ints only (bool is a subclass of int, and refused)
-        if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+        if type(shape) is not list:
             raise WireFormatError(f"tensor {name!r}: shape must be a list of ints >= 0, got {shape!r}")
+        for d in shape:  # a loop, not all(<generator>): this runs once per received chunk
+            if type(d) is not int or d < 0:
+                raise WireFormatError(f"tensor {name!r}: shape must be a list of ints >= 0, got {shape!r}")
         torch_dtype = dtype_from_name(dtype)
         nbytes = math.prod(shape) * torch_dtype.itemsize
         # A non-empty tensor's dimensions are each at most its size; an empty one's need a look.
@@ -242,13 +245,26 @@ def split_weight_chunks(
     """
     if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
         raise ValueError(f"bucket_size must be an int >= 1 (bytes), got {bucket_size!r}")
-    return _split(weights, bucket_size)
+    return _split(weights, bucket_size, None)
+
+
+def split_weight_chunks_bounded(
+    weights: Generator[tuple[str, torch.Tensor], None, None], bucket_size: int, *, max_chunks: int
+) -> Generator[tuple[TensorMeta, torch.Tensor], None, None]:
+    """``split_weight_chunks``, also opening a new bucket after ``max_chunks`` chunks: the
+    refit pipeline's layout, which posts a bucket of many small tensors early."""
+    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
+        raise ValueError(f"bucket_size must be an int >= 1 (bytes), got {bucket_size!r}")
+    if isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1:
+        raise ValueError(f"max_chunks must be an int >= 1, got {max_chunks!r}")
+    return _split(weights, bucket_size, max_chunks)
 
 
 def _split(
-    weights: Generator[tuple[str, torch.Tensor], None, None], bucket_size: int
+    weights: Generator[tuple[str, torch.Tensor], None, None], bucket_size: int, max_chunks: int | None
 ) -> Generator[tuple[TensorMeta, torch.Tensor], None, None]:
     used = 0  # end of the last chunk placed in the current bucket
+    chunks = 0  # chunks placed in the current bucket
     for item in weights:
         name, tensor = _unpack_item(item)
         data = tensor_bytes(tensor)
@@ -257,7 +273,10 @@ def _split(
         align = tensor.dtype.itemsize if tensor.dtype.itemsize <= bucket_size else 1
         done = 0
         while True:
+            if chunks == max_chunks:
+                used = chunks = 0  # the next chunk opens a new bucket
             offset, take = _place(used, total - done, align, bucket_size)
+            chunks = 1 if offset < used else chunks + 1
             chunk = data if take == total else data[done : done + take]
             yield TensorMeta(name, tensor.shape, tensor.dtype, done, take, offset), chunk
             used = offset + take

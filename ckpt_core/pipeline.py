@@ -1,13 +1,15 @@
 """The refit pipeline every transport shares: pack, describe, move, verify, reassemble.
 
-Sender: ``split_weight_chunks`` lays chunks out in buckets. A chunk of at least
+Sender: ``split_weight_chunks`` lays chunks out in buckets (closing one early at
+``MAX_CHUNKS_PER_BUCKET`` chunks, so many small tensors stream instead of waiting for a full
+bucket). A chunk of at least
 ``direct_min_bytes`` goes *direct* when the transport allows it (``direct_chunks``): it is sent
 from the caller's tensor as a message of its own. Every other chunk is copied into the
-transport's slot buffer, packed at the next offset aligned to its element size. Each bucket is
-checksummed and posted with its header (early, at ``MAX_CHUNKS_PER_BUCKET`` chunks, so many
-small tensors stream instead of waiting for a full bucket); packing then continues in the other
-slot while the first is in flight (double buffering). The last bucket carries ``last=True``, so a refit of no
-tensors is one empty bucket.
+transport's slot buffer, packed at the next offset aligned to its element size (its place in
+the layout, unless direct chunks left room before it). Each bucket is checksummed and posted
+with its header; packing then continues in the other slot while the first is in flight
+(double buffering). The last bucket carries ``last=True``, so a refit of no tensors is one
+empty bucket.
 
 Receiver: each header is planned by a :class:`~ckpt_core.assembly.ChunkAssembler` as soon as it
 arrives: output tensors are allocated, and direct chunks are received straight into them. While
@@ -37,7 +39,7 @@ import torch
 import xxhash
 
 from .assembly import ChunkAssembler, Landing
-from .base import TensorMeta, split_weight_chunks
+from .base import TensorMeta, split_weight_chunks_bounded
 from .checksum import payload_checksum
 from .errors import (
     IntegrityError,
@@ -120,7 +122,7 @@ async def send_refit(
     packer = _BucketPacker(sender, refit)
     try:
         seen: set[str] = set()
-        for meta, chunk in split_weight_chunks(weights, bucket_size):
+        for meta, chunk in split_weight_chunks_bounded(weights, bucket_size, max_chunks=MAX_CHUNKS_PER_BUCKET):
             if meta.chunk_offset == 0:
                 if meta.name in seen:
                     raise UnsupportedTensorError(
@@ -166,7 +168,8 @@ class _BucketPacker:
 
     async def add(self, meta: TensorMeta, chunk: torch.Tensor) -> None:
         """Pack (or queue as direct) one chunk, first posting the open bucket if the chunk
-        starts a new one in ``split_weight_chunks``' layout or the bucket is full of chunks."""
+        starts a new one in the layout (or, for a zero-size chunk the layout cannot tell apart,
+        the bucket is full of chunks)."""
         assert meta.offset is not None
         if meta.offset < self.layout_end or len(self.chunks) >= MAX_CHUNKS_PER_BUCKET:
             await self._post(last=False)
