@@ -12,11 +12,18 @@ a chunk straight into the tensor it belongs to:
 
 ``merge_weight_chunk_batches`` runs both steps per chunk; the refit pipeline plans a whole
 bucket when its header arrives and fills it once its payload has been verified.
+
+Small tensors, landed together: a receiver of many small tensors spends most of its time
+creating them (an allocation each), not copying them. :class:`SmallTensorLander` lands a run of
+small whole tensors that lie next to each other in a host buffer with one allocation and one
+copy, as views of one shared storage of ``SHARED_STORAGE_BYTES``. They never alias the
+buffer; keeping one of them alive keeps that storage (``clone()`` it to keep it alone).
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import torch
 
@@ -75,10 +82,92 @@ class Landing:
             return whole
         return self.fill(buffer[offset:end])
 
+    @property
+    def shares_storage(self) -> bool:
+        """Whether :class:`SmallTensorLander` may land this chunk: a whole tensor of at most
+        ``SMALL_TENSOR_BYTES``, staying on the host."""
+        return self.target is None and self._device is None and self.meta.chunk_size <= SMALL_TENSOR_BYTES
+
     def landed(self) -> torch.Tensor | None:
         """The chunk's bytes were received into ``target`` directly: the whole tensor if
         this chunk completes it."""
         return self._output
+
+
+SMALL_TENSOR_BYTES = 64 << 10
+"""Whole tensors up to this size may be landed as views of a shared storage."""
+
+SHARED_STORAGE_BYTES = POOLED_MIN_BYTES
+"""Size of one shared storage: a pooled host block, so its pages are warm after the first refit."""
+
+
+class SmallTensorLander:
+    """Lands small whole tensors of one host buffer in runs: each run (tensors lying in
+    increasing order, spanning at most ``SHARED_STORAGE_BYTES - 63`` bytes) is copied into one
+    new storage with one ``memmove``, and each tensor is a view of it at its own offset.
+
+    Offer chunks in stream order with :meth:`add`; :meth:`flush` returns the landed
+    ``(name, tensor)`` pairs in that order (flush before landing any other chunk, to keep it).
+    """
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+        self._usable = buffer.device.type == "cpu" and buffer.is_contiguous() and buffer.dtype == torch.uint8
+        self._landed: list[tuple[str, torch.Tensor]] = []
+        self._run: list[Landing] = []
+        self._offsets: list[int] = []
+        self._start = self._end = 0
+
+    def add(self, landing: Landing, offset: int) -> bool:
+        """Take ``landing``, whose bytes lie at ``offset`` in the buffer, into the current run
+        (or a new one). ``False``: not a small whole host tensor, or not aligned to its element
+        size; the caller lands it itself."""
+        meta = landing.meta
+        if not (self._usable and landing.shares_storage and offset % meta.dtype.itemsize == 0):
+            return False
+        end = offset + meta.chunk_size
+        if end > self._buffer.numel():
+            raise ChunkStreamError(
+                f"tensor {meta.name!r}: chunk [{offset}, {end}) lies outside the {self._buffer.numel()}-byte buffer"
+            )
+        if self._run and (offset < self._end or end - self._start > SHARED_STORAGE_BYTES):
+            self._land_run()
+        if not self._run:
+            self._start = offset - offset % 64  # 64 is a multiple of every element size
+        self._run.append(landing)
+        self._offsets.append(offset)
+        self._end = end
+        return True
+
+    def flush(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor taken so far, landed, in the order taken."""
+        if self._run:
+            self._land_run()
+        landed, self._landed = self._landed, []
+        return landed
+
+    def _land_run(self) -> None:
+        start = self._start
+        storage = empty_host(torch.Size([SHARED_STORAGE_BYTES]), torch.uint8)
+        ctypes.memmove(storage.data_ptr(), self._buffer.data_ptr() + start, self._end - start)
+        typed: dict[torch.dtype, torch.Tensor] = {}
+        for landing, offset in zip(self._run, self._offsets):
+            meta = landing.meta
+            of_dtype = typed.get(meta.dtype)
+            if of_dtype is None:
+                of_dtype = typed[meta.dtype] = storage.view(meta.dtype)
+            element = (offset - start) // meta.dtype.itemsize
+            self._landed.append((meta.name, of_dtype.as_strided(meta.shape, _contiguous_strides(meta.shape), element)))
+        self._run, self._offsets = [], []
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    if len(shape) <= 1:
+        return (1,) * len(shape)
+    strides = [1]
+    for size in reversed(shape[1:]):
+        strides.append(strides[-1] * max(size, 1))
+    return tuple(reversed(strides))
 
 
 class _Partial:

@@ -200,7 +200,9 @@ class BucketedEngine(CheckpointEngine):
 
     async def receive_weight_batches(self) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
         """Yield one refit's ``(name, tensor)`` batches, in the sender's order. Tensors own
-        their memory. Stopping early voids the refit (the engine must be re-initialized)."""
+        their memory: no transport buffer is aliased, though small host tensors (64 KiB at
+        most) of one bucket may be views of one shared 1 MiB storage. Stopping early voids the
+        refit (the engine must be re-initialized)."""
         self._require(_State.ROLLOUT, "receive_weight_batches()")
         assert self._receiver is not None
         with self._refit_slot("receive_weight_batches()"):

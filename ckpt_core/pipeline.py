@@ -38,7 +38,7 @@ from contextlib import contextmanager
 import torch
 import xxhash
 
-from .assembly import ChunkAssembler, Landing
+from .assembly import ChunkAssembler, Landing, SmallTensorLander
 from .base import TensorMeta, split_weight_chunks_bounded
 from .checksum import payload_checksum
 from .errors import (
@@ -262,8 +262,10 @@ async def receive_refit(
     stats: RefitStats | None = None,
 ) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
     """Yield the ``(name, tensor)`` batches of one refit, one batch per bucket that completes
-    tensors, in the sender's order. Tensors own their memory and live on ``merge_device`` (or
-    the receiver's buffers' device). ``checksum`` (the sender's function) verifies every
+    tensors, in the sender's order. Tensors own their memory (never a transport's buffer;
+    small ones of a bucket may share one storage of at most 1 MiB, see
+    :class:`~ckpt_core.assembly.SmallTensorLander`) and live on ``merge_device`` (or the
+    receiver's buffers' device). ``checksum`` (the sender's function) verifies every
     bucket whose header carries a digest, before any tensor it completes is yielded; ``None``
     skips verification. ``stats`` (if given) is filled in as the refit runs."""
     refit = _Refit(bucket_size, context, notifier, stats if stats is not None else RefitStats(), timeout_s, checksum)
@@ -409,18 +411,24 @@ class _BucketStream:
                     "the refit is void"
                 )
         start = time.perf_counter()
-        done = []
+        done: list[tuple[str, torch.Tensor]] = []
+        small = SmallTensorLander(payload)
         for landing, received in zip(bucket.landings, bucket.received):
             meta = landing.meta
+            offset = meta.offset
+            if received is None and offset is not None and small.add(landing, offset):
+                continue
+            done += small.flush()  # landed before this chunk's tensor: keeps the stream's order
             if received is None:
-                assert meta.offset is not None
-                tensor = landing.fill_from(payload, meta.offset)
+                assert offset is not None  # a packed chunk (checked when the header was planned)
+                tensor = landing.fill_from(payload, offset)
             elif received is landing.target:
                 tensor = landing.landed()
             else:
                 tensor = landing.fill(received)
             if tensor is not None:
                 done.append((meta.name, tensor))
+        done += small.flush()
         self.receiver.release(bucket.slot)
         self.stats.unpack_seconds += time.perf_counter() - start
         self.stats.payload_bytes += sum(m.chunk_size for m in header.chunks)
