@@ -23,7 +23,6 @@ buffer; keeping one of them alive keeps that storage (``clone()`` it to keep it 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
 
 import torch
 
@@ -97,8 +96,11 @@ class Landing:
 SMALL_TENSOR_BYTES = 64 << 10
 """Whole tensors up to this size may be landed as views of a shared storage."""
 
-SHARED_STORAGE_BYTES = POOLED_MIN_BYTES
-"""Size of one shared storage: a pooled host block, so its pages are warm after the first refit."""
+SHARED_STORAGE_BYTES = 1 << 20
+"""Size of one shared storage. It comes from the C allocator, which reuses freed blocks of this
+size warm, not from the host pool: a receiver that holds a whole refit can fill the pool with
+large tensors, and blocks of its own here would push one of those out at every refit (to be
+faulted in again at the next)."""
 
 
 class SmallTensorLander:
@@ -148,7 +150,7 @@ class SmallTensorLander:
 
     def _land_run(self) -> None:
         start = self._start
-        storage = empty_host(torch.Size([SHARED_STORAGE_BYTES]), torch.uint8)
+        storage = torch.empty(SHARED_STORAGE_BYTES, dtype=torch.uint8)
         ctypes.memmove(storage.data_ptr(), self._buffer.data_ptr() + start, self._end - start)
         typed: dict[torch.dtype, torch.Tensor] = {}
         for landing, offset in zip(self._run, self._offsets):
