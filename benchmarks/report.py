@@ -29,10 +29,9 @@ _STAT_FIELDS = ("seconds", "pack_seconds", "transfer_seconds", "unpack_seconds",
 
 
 def _over(role: str, peak: int, base: int, payload: int) -> int:
-    """Peak memory above what the process must hold: its weights (sender), what it yields
-    (receiver), or source and destination (local copy)."""
-    held = 2 * payload if role == "local" else payload
-    return peak - base - held
+    """Peak memory above what the process must hold: its weights (sender, and a local copy's
+    source), or what it yields (receiver). A local copy's destination buffer counts as over."""
+    return peak - base - payload
 
 
 def summarize_case(record: CaseRecord) -> dict[str, Any]:
