@@ -105,8 +105,8 @@ faulted in again at the next)."""
 
 class SmallTensorLander:
     """Lands small whole tensors of one host buffer in runs: each run (tensors lying in
-    increasing order, spanning at most ``SHARED_STORAGE_BYTES - 63`` bytes) is copied into one
-    new storage with one ``memmove``, and each tensor is a view of it at its own offset.
+    increasing order within ``SHARED_STORAGE_BYTES`` from a 64-byte boundary) is copied into
+    one new storage with one ``memmove``, and each tensor is a view of it at its own offset.
 
     Offer chunks in stream order with :meth:`add`; :meth:`flush` returns the landed
     ``(name, tensor)`` pairs in that order (flush before landing any other chunk, to keep it).
