@@ -243,8 +243,7 @@ def split_weight_chunks(
     Raises ``ValueError`` if ``bucket_size < 1`` and ``UnsupportedTensorError`` for an item that
     is not a byte-movable tensor, or whose name is not a string.
     """
-    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
-        raise ValueError(f"bucket_size must be an int >= 1 (bytes), got {bucket_size!r}")
+    _require_positive_int("bucket_size", bucket_size, " (bytes)")
     return _split(weights, bucket_size, None)
 
 
@@ -253,11 +252,14 @@ def split_weight_chunks_bounded(
 ) -> Generator[tuple[TensorMeta, torch.Tensor], None, None]:
     """``split_weight_chunks``, also opening a new bucket after ``max_chunks`` chunks: the
     refit pipeline's layout, which posts a bucket of many small tensors early."""
-    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
-        raise ValueError(f"bucket_size must be an int >= 1 (bytes), got {bucket_size!r}")
-    if isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1:
-        raise ValueError(f"max_chunks must be an int >= 1, got {max_chunks!r}")
+    _require_positive_int("bucket_size", bucket_size, " (bytes)")
+    _require_positive_int("max_chunks", max_chunks)
     return _split(weights, bucket_size, max_chunks)
+
+
+def _require_positive_int(name: str, value: Any, unit: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1{unit}, got {value!r}")
 
 
 def _split(

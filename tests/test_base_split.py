@@ -17,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from ckpt_core import TensorMeta, split_weight_chunks
+from ckpt_core.base import split_weight_chunks_bounded
 from ckpt_core.dtypes import dtype_name, transferable_dtypes
 from ckpt_core.errors import UnsupportedTensorError
 from helpers.tensors import (
@@ -309,3 +310,20 @@ def test_property_round_trip_and_layout(
             tensor = tensor.transpose(0, -1)
         named.append((f"w{i}", tensor))
     round_trip(named, bucket_size)
+
+
+def test_bounded_split_opens_a_bucket_every_max_chunks(rng: torch.Generator) -> None:
+    """The pipeline's layout: the same chunks as ``split_weight_chunks``, with a new bucket
+    (offset 0) after every ``max_chunks`` chunks, so packed offsets equal layout offsets."""
+    weights = [(f"w{i}", random_tensor((3,), torch.float32, rng)) for i in range(7)]
+    bounded = list(split_weight_chunks_bounded(iter(weights), 1 << 20, max_chunks=3))
+    plain = list(split_weight_chunks(iter(weights), 1 << 20))
+    assert [(m.name, m.chunk_offset, m.chunk_size) for m, _ in bounded] == [
+        (m.name, m.chunk_offset, m.chunk_size) for m, _ in plain
+    ]
+    assert [m.offset for m, _ in bounded] == [0, 12, 24, 0, 12, 24, 0]
+    buckets = group_into_buckets(bounded)
+    assert [len(b) for b in buckets] == [3, 3, 1]
+    assert_same_weights(flatten(merge_all(buckets)), weights)
+    with pytest.raises(ValueError, match="max_chunks must be an int >= 1"):
+        split_weight_chunks_bounded(iter(weights), 1 << 20, max_chunks=0)
