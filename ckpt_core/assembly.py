@@ -29,7 +29,7 @@ import torch
 from .base import TensorMeta
 from .dtypes import dtype_name
 from .errors import ChunkStreamError
-from .host_memory import POOLED_MIN_BYTES, empty_host
+from .host_memory import POOLED_MIN_BYTES, empty_host, empty_host_storage
 
 
 class Landing:
@@ -97,10 +97,7 @@ SMALL_TENSOR_BYTES = 64 << 10
 """Whole tensors up to this size may be landed as views of a shared storage."""
 
 SHARED_STORAGE_BYTES = 1 << 20
-"""Size of one shared storage. It comes from the C allocator, which reuses freed blocks of this
-size warm, not from the host pool: a receiver that holds a whole refit can fill the pool with
-large tensors, and blocks of its own here would push one of those out at every refit (to be
-faulted in again at the next)."""
+"""Size of one shared storage (from :func:`~ckpt_core.host_memory.empty_host_storage`)."""
 
 
 class SmallTensorLander:
@@ -150,7 +147,7 @@ class SmallTensorLander:
 
     def _land_run(self) -> None:
         start = self._start
-        storage = torch.empty(SHARED_STORAGE_BYTES, dtype=torch.uint8)
+        storage = empty_host_storage(SHARED_STORAGE_BYTES)
         ctypes.memmove(storage.data_ptr(), self._buffer.data_ptr() + start, self._end - start)
         typed: dict[torch.dtype, torch.Tensor] = {}
         for landing, offset in zip(self._run, self._offsets):

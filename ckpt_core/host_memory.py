@@ -20,7 +20,9 @@ into warm memory. Three things keep that off a refit's critical path:
 * A receiver that knows where bytes will land calls :func:`prefault` on that range beside the
   transfer, so the zeroing of fresh pages runs there instead of inside the transfer.
 
-Smaller tensors use ``torch.empty`` (the C allocator already reuses small blocks).
+Smaller tensors use ``torch.empty`` (the C allocator already reuses small blocks). Storages
+shared by many small received tensors (:func:`empty_host_storage`) are mappings too, pooled
+apart (at most ``STORAGE_POOL_BYTES``).
 """
 
 from __future__ import annotations
@@ -94,21 +96,47 @@ class _Pool:
 
 
 _POOL = _Pool(_pool_limit())
-_BLOCK_TYPES: dict[int, type] = {}
+
+STORAGE_POOL_BYTES = 64 << 20
+"""Limit of the pool behind :func:`empty_host_storage`, kept apart from the tensors' pool so
+that neither pushes the other's blocks out."""
+
+_STORAGE_POOL = _Pool(STORAGE_POOL_BYTES)
+_BLOCK_TYPES: dict[tuple[int, int], type] = {}
 
 
-def _block_type(size: int) -> type:
-    """A ctypes byte array of ``size`` whose instances hand their mapping back to the pool
+def _block_type(size: int, pool: _Pool) -> type:
+    """A ctypes byte array of ``size`` whose instances hand their mapping back to ``pool``
     when they die. A tensor made with ``torch.frombuffer`` holds its block until the tensor's
     storage (every view of it) is freed, so the block's death is the memory's release."""
-    block_type = _BLOCK_TYPES.get(size)
+    key = (size, id(pool))
+    block_type = _BLOCK_TYPES.get(key)
     if block_type is None:
 
         def release(block: Any) -> None:
-            _POOL.give(block.mapping, size)
+            pool.give(block.mapping, size)
 
-        block_type = _BLOCK_TYPES[size] = type("HostBlock", (ctypes.c_ubyte * size,), {"__del__": release})
+        block_type = _BLOCK_TYPES[key] = type("HostBlock", (ctypes.c_ubyte * size,), {"__del__": release})
     return block_type
+
+
+def _mapped_bytes(nbytes: int, pool: _Pool) -> torch.Tensor:
+    """A 1-D ``uint8`` tensor of ``nbytes`` on an anonymous mapping taken from ``pool`` (or
+    new), which goes back to ``pool`` when the tensor's storage is freed."""
+    huge = nbytes >= HUGE_PAGE_THRESHOLD and hasattr(mmap, "MADV_HUGEPAGE")
+    unit = _HUGE_PAGE if huge else mmap.PAGESIZE
+    size = -(-nbytes // unit) * unit
+    mapping = pool.take(size)
+    if mapping is None:
+        mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if huge:
+            try:
+                mapping.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:  # THP unsupported here: the mapping still works with small pages
+                pass
+    block = _block_type(size, pool).from_buffer(mapping)
+    block.mapping = mapping
+    return torch.frombuffer(block, dtype=torch.uint8, count=nbytes)
 
 
 def empty_host(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -120,20 +148,15 @@ def empty_host(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     nbytes = shape.numel() * dtype.itemsize
     if nbytes < POOLED_MIN_BYTES:
         return torch.empty(shape, dtype=dtype)
-    huge = nbytes >= HUGE_PAGE_THRESHOLD and hasattr(mmap, "MADV_HUGEPAGE")
-    unit = _HUGE_PAGE if huge else mmap.PAGESIZE
-    size = -(-nbytes // unit) * unit
-    mapping = _POOL.take(size)
-    if mapping is None:
-        mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if huge:
-            try:
-                mapping.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:  # THP unsupported here: the mapping still works with small pages
-                pass
-    block = _block_type(size).from_buffer(mapping)
-    block.mapping = mapping
-    return torch.frombuffer(block, dtype=torch.uint8, count=nbytes).view(dtype).reshape(shape)
+    return _mapped_bytes(nbytes, _POOL).view(dtype).reshape(shape)
+
+
+def empty_host_storage(nbytes: int) -> torch.Tensor:
+    """An uninitialized 1-D ``uint8`` CPU tensor to hold many small tensors as views, from a
+    pool of its own (``STORAGE_POOL_BYTES``): warm after the first refit, its resident size
+    steady from refit to refit (the C heap's was not), and never pushing a large tensor's
+    block out of the main pool, which a receiver holding a whole refit may fill."""
+    return _mapped_bytes(nbytes, _STORAGE_POOL)
 
 
 SMALL_COPY_BYTES = 256 << 10
@@ -162,13 +185,14 @@ def copy_into(buffer: torch.Tensor, offset: int, chunk: torch.Tensor) -> None:
 
 
 def release_host_pool() -> None:
-    """Return the pooled memory of freed tensors to the system."""
+    """Return the pooled memory of freed tensors (and shared storages) to the system."""
     _POOL.clear()
+    _STORAGE_POOL.clear()
 
 
 def pooled_bytes() -> int:
-    """Bytes the pool holds now."""
-    return _POOL.pooled_bytes
+    """Bytes the pools hold now."""
+    return _POOL.pooled_bytes + _STORAGE_POOL.pooled_bytes
 
 
 _MADV_POPULATE_WRITE = 23

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from ckpt_core import host_memory
-from ckpt_core.host_memory import HUGE_PAGE_THRESHOLD, empty_host, pooled_bytes, prefault, release_host_pool
+from ckpt_core.host_memory import (
+    HUGE_PAGE_THRESHOLD,
+    empty_host,
+    empty_host_storage,
+    pooled_bytes,
+    prefault,
+    release_host_pool,
+)
 
 
 def test_large_tensors_are_mapped_and_behave_like_any_tensor() -> None:
@@ -117,3 +124,19 @@ def test_a_full_pool_keeps_the_most_recently_freed_blocks(monkeypatch: pytest.Mo
     again = [empty_host(torch.Size([size_b]), torch.uint8) for _ in range(2)]
     assert {t.data_ptr() for t in again} == addresses
     release_host_pool()
+
+
+def test_shared_storages_are_pooled_beside_tensor_blocks() -> None:
+    release_host_pool()
+    block = empty_host(torch.Size([HUGE_PAGE_THRESHOLD]), torch.uint8)
+    del block
+    storage = empty_host_storage(1 << 20)
+    storage.fill_(7)
+    address = storage.data_ptr()
+    del storage
+    assert pooled_bytes() == HUGE_PAGE_THRESHOLD + (1 << 20)  # both kept, neither evicted
+    again = empty_host_storage(1 << 20)
+    assert again.data_ptr() == address and pooled_bytes() == HUGE_PAGE_THRESHOLD
+    del again
+    release_host_pool()
+    assert pooled_bytes() == 0
