@@ -9,10 +9,14 @@ every chunk must lie inside the payload, before anything is built from it. No pi
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+from collections.abc import Iterable
 from typing import Any
 
-from .base import TensorMeta
+import torch
+
+from .base import TensorMeta, tensor_geometry
 from .dtypes import dtype_name
 from .errors import WireFormatError
 
@@ -110,10 +114,21 @@ def _decode_chunks(doc: dict[str, Any], payload_nbytes: int, bucket_size: int) -
     count = len(columns[0])
     if any(len(col) != count for col in columns):
         raise WireFormatError("bucket header chunk columns have different lengths")
+    # Each distinct (dtype, shape) is checked once: a bucket of many small tensors repeats a few.
+    # Shapes made of exact ints only may key the cache (1.0 and True would equal 1 there).
+    shapes = columns[1]
+    cacheable = _only(shapes, list) and _only(itertools.chain.from_iterable(shapes), int)
+    geometries: dict[tuple[Any, ...], tuple[torch.Size, torch.dtype, int]] = {}
     chunks = []
     direct_nbytes = 0
     for name, shape, dtype, chunk_offset, chunk_size, offset in zip(*columns):
-        meta = TensorMeta.validated(name, shape, dtype, chunk_offset, chunk_size, offset)
+        key = (dtype, *shape) if cacheable and type(dtype) is str else None
+        geometry = geometries.get(key) if key is not None else None
+        if geometry is None:
+            geometry = tensor_geometry(name, shape, dtype)
+            if key is not None:
+                geometries[key] = geometry
+        meta = TensorMeta.checked_chunk(name, *geometry, chunk_offset, chunk_size, offset)
         if offset is None:
             direct_nbytes += chunk_size
             if chunk_size == 0 or direct_nbytes > bucket_size:
@@ -129,6 +144,11 @@ def _decode_chunks(doc: dict[str, Any], payload_nbytes: int, bucket_size: int) -
             )
         chunks.append(meta)
     return tuple(chunks)
+
+
+def _only(values: Iterable[Any], kind: type) -> bool:
+    """Whether every value's type is exactly ``kind`` (one C loop, no per-item Python)."""
+    return set(map(type, values)) <= {kind}
 
 
 def _is_uint(value: Any) -> bool:

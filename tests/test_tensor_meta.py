@@ -26,6 +26,15 @@ def test_fields_follow_the_seed() -> None:
         meta.name = "v"  # type: ignore[misc]
 
 
+def test_trusted_builds_what_the_constructor_builds() -> None:
+    args = ("w", torch.Size([3, 5]), torch.bfloat16, 8, 4, None)
+    fast, plain = TensorMeta.trusted(*args), TensorMeta(*args)
+    assert fast == plain and repr(fast) == repr(plain) and hash(fast) == hash(plain)
+    assert type(fast) is TensorMeta and fast.nbytes == 30
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.offset = 0  # type: ignore[misc]
+
+
 @pytest.mark.parametrize(
     "shape,dtype,expected",
     [

@@ -209,3 +209,15 @@ def test_decode_rejects_shapes_too_large_for_torch(shape: list[int], rng: torch.
     doc["shapes"][0], doc["chunk_offsets"][0], doc["chunk_sizes"][0] = shape, 0, 0
     with pytest.raises(WireFormatError):
         decode_header(encode_doc(doc), bucket_size=BUCKET)
+
+
+@pytest.mark.parametrize("dim", [1.0, True, "1", [1], None, -1], ids=repr)
+def test_a_bad_shape_after_an_equal_good_one_is_rejected(dim: Any) -> None:
+    """The decoder checks each distinct (dtype, shape) once; 1.0 and True compare equal to 1,
+    so a shape repeated with them must not pass as the checked one."""
+    metas = tuple(TensorMeta(f"w{i}", torch.Size([1]), torch.float32, 0, 4, 4 * i) for i in range(3))
+    doc = doc_of(BucketHeader(0, 0, 12, True, metas))
+    decode_header(encode_doc(doc), bucket_size=BUCKET)
+    doc["shapes"][2] = [dim]
+    with pytest.raises(WireFormatError, match="'w2': shape must be a list of ints"):
+        decode_header(encode_doc(doc), bucket_size=BUCKET)
