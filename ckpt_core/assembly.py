@@ -23,6 +23,7 @@ buffer; keeping one of them alive keeps that storage (``clone()`` it to keep it 
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -149,17 +150,20 @@ class SmallTensorLander:
         start = self._start
         storage = empty_host_storage(SHARED_STORAGE_BYTES)
         ctypes.memmove(storage.data_ptr(), self._buffer.data_ptr() + start, self._end - start)
-        typed: dict[torch.dtype, torch.Tensor] = {}
+        typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}  # the storage as each dtype
+        landed = self._landed
         for landing, offset in zip(self._run, self._offsets):
             meta = landing.meta
             of_dtype = typed.get(meta.dtype)
             if of_dtype is None:
-                of_dtype = typed[meta.dtype] = storage.view(meta.dtype)
-            element = (offset - start) // meta.dtype.itemsize
-            self._landed.append((meta.name, of_dtype.as_strided(meta.shape, _contiguous_strides(meta.shape), element)))
+                of_dtype = typed[meta.dtype] = (storage.view(meta.dtype), meta.dtype.itemsize)
+            elements, itemsize = of_dtype
+            view = elements.as_strided(meta.shape, _contiguous_strides(meta.shape), (offset - start) // itemsize)
+            landed.append((meta.name, view))
         self._run, self._offsets = [], []
 
 
+@functools.lru_cache(maxsize=4096)  # a model has few distinct shapes
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     if len(shape) <= 1:
         return (1,) * len(shape)

@@ -184,6 +184,15 @@ def copy_into(buffer: torch.Tensor, offset: int, chunk: torch.Tensor) -> None:
     buffer[offset : offset + nbytes].copy_(chunk)
 
 
+def host_address(buffer: torch.Tensor, nbytes: int) -> int | None:
+    """The address of ``buffer`` if it is a contiguous 1-D ``uint8`` host buffer of at least
+    ``nbytes`` bytes, into which chunks may be ``memmove``d directly; ``None`` otherwise."""
+    if buffer.is_cpu and buffer.dtype == torch.uint8 and buffer.dim() == 1 and buffer.is_contiguous():
+        if buffer.numel() >= nbytes:
+            return buffer.data_ptr()
+    return None
+
+
 def release_host_pool() -> None:
     """Return the pooled memory of freed tensors (and shared storages) to the system."""
     _POOL.clear()

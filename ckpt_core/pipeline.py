@@ -29,6 +29,7 @@ The sender reads a yielded tensor until the bucket holding its last chunk has be
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
 import struct
 import time
@@ -49,7 +50,7 @@ from .errors import (
     WireFormatError,
 )
 from .hooks import RefitNotifier
-from .host_memory import prefault
+from .host_memory import SMALL_COPY_BYTES, host_address, prefault
 from .stats import RefitContext, RefitStats
 from .transport import BucketReceiver, BucketSender
 from .wire import BucketHeader, decode_header, encode_header
@@ -130,7 +131,9 @@ async def send_refit(
                     )
                 seen.add(meta.name)
                 stats.tensors += 1
-            await packer.add(meta, chunk)
+            if packer.opens_bucket(meta):
+                await packer.post(last=False)
+            packer.add(meta, chunk)
         await packer.finish()
     except TransferError as exc:
         notifier.failed(context, exc)
@@ -152,6 +155,10 @@ class _BucketPacker:
         self.refit = refit
         self.stats = refit.stats
         self.direct_min = direct_min_bytes(refit.bucket_size) if sender.direct_chunks else None
+        # With the default pack into a host buffer, small chunks are copied here, without the
+        # per-call checks that cost more than a 4 KiB copy (the buffer is checked once per slot).
+        self.packs_itself = type(sender).pack is BucketSender.pack
+        self.host_base: int | None = None
         self.bucket_index = 0
         self.chunks: list[TensorMeta] = []
         self.direct: list[torch.Tensor] = []
@@ -164,19 +171,23 @@ class _BucketPacker:
         self.slot = self.bucket_index % self.sender.num_slots
         with _timed(self.stats, "transfer_seconds"):
             self.sender.wait_slot(self.slot, self.refit.timeout_s)
-        return self.sender.buffer(self.slot)
+        buffer = self.sender.buffer(self.slot)
+        self.host_base = host_address(buffer, self.refit.bucket_size) if self.packs_itself else None
+        return buffer
 
-    async def add(self, meta: TensorMeta, chunk: torch.Tensor) -> None:
-        """Pack (or queue as direct) one chunk, first posting the open bucket if the chunk
-        starts a new one in the layout (or, for a zero-size chunk the layout cannot tell apart,
-        the bucket is full of chunks)."""
+    def opens_bucket(self, meta: TensorMeta) -> bool:
+        """Whether ``meta`` starts a new bucket in the layout (or, for a zero-size chunk the
+        layout cannot tell apart, the open bucket is full of chunks): post the open one first."""
         assert meta.offset is not None
-        if meta.offset < self.layout_end or len(self.chunks) >= MAX_CHUNKS_PER_BUCKET:
-            await self._post(last=False)
+        return meta.offset < self.layout_end or len(self.chunks) >= MAX_CHUNKS_PER_BUCKET
+
+    def add(self, meta: TensorMeta, chunk: torch.Tensor) -> None:
+        """Pack (or queue as direct) one chunk of the open bucket."""
+        assert meta.offset is not None
         self.layout_end = meta.offset + meta.chunk_size
         self.stats.payload_bytes += meta.chunk_size
         if self.direct_min is not None and meta.chunk_size >= self.direct_min and chunk.device == self.buffer.device:
-            self.chunks.append(TensorMeta(meta.name, meta.shape, meta.dtype, meta.chunk_offset, meta.chunk_size, None))
+            self.chunks.append(TensorMeta.trusted(meta.name, meta.shape, meta.dtype, meta.chunk_offset, meta.chunk_size, None))
             self.direct.append(chunk)
             return
         # Packed chunks close up the room direct chunks left, keeping their alignment; they
@@ -186,20 +197,23 @@ class _BucketPacker:
         offset = -(-self.packed_end // align) * align
         if meta.chunk_size:
             start = time.perf_counter()  # inline, not _timed: this runs once per chunk
-            self.sender.pack(self.slot, offset, chunk)
+            if self.host_base is not None and meta.chunk_size <= SMALL_COPY_BYTES and chunk.is_cpu:
+                ctypes.memmove(self.host_base + offset, chunk.data_ptr(), meta.chunk_size)
+            else:
+                self.sender.pack(self.slot, offset, chunk)
             self.stats.pack_seconds += time.perf_counter() - start
         if offset != meta.offset:
-            meta = TensorMeta(meta.name, meta.shape, meta.dtype, meta.chunk_offset, meta.chunk_size, offset)
+            meta = TensorMeta.trusted(meta.name, meta.shape, meta.dtype, meta.chunk_offset, meta.chunk_size, offset)
         self.chunks.append(meta)
         self.packed_end = offset + meta.chunk_size
 
     async def finish(self) -> None:
-        await self._post(last=True)
+        await self.post(last=True)
         for slot in range(self.sender.num_slots):
             with _timed(self.stats, "transfer_seconds"):
                 self.sender.wait_slot(slot, self.refit.timeout_s)
 
-    async def _post(self, *, last: bool) -> None:
+    async def post(self, *, last: bool) -> None:
         """Post the open bucket: the slot's packed bytes, then its direct chunks."""
         refit = self.refit
         digest = None

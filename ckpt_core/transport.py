@@ -44,6 +44,8 @@ class BucketSender(abc.ABC):
 
         Override to pack elsewhere than the caller's stream (a device transport may queue the
         copy on its own CUDA stream); the copy must be ordered before the slot's ``post``.
+        Unless overridden, the pipeline copies small chunks into a host buffer itself (the
+        same bytes, without a call and its checks per chunk).
         """
         copy_into(self.buffer(slot), offset, chunk)
 

@@ -13,6 +13,7 @@ from ckpt_core.host_memory import (
     HUGE_PAGE_THRESHOLD,
     empty_host,
     empty_host_storage,
+    host_address,
     pooled_bytes,
     prefault,
     release_host_pool,
@@ -140,3 +141,13 @@ def test_shared_storages_are_pooled_beside_tensor_blocks() -> None:
     del again
     release_host_pool()
     assert pooled_bytes() == 0
+
+
+def test_host_address_only_for_buffers_a_memmove_may_fill() -> None:
+    buffer = torch.zeros(64, dtype=torch.uint8)
+    assert host_address(buffer, 64) == buffer.data_ptr()
+    assert host_address(buffer[8:], 56) == buffer.data_ptr() + 8
+    assert host_address(buffer, 65) is None  # smaller than asked
+    assert host_address(buffer[::2], 8) is None  # not contiguous
+    assert host_address(buffer.view(torch.int32), 4) is None  # not bytes
+    assert host_address(buffer.view(8, 8), 8) is None  # not 1-D
