@@ -125,6 +125,7 @@ class RefitMethod(Method):
     """A ckpt-engine refit through ``backend``: one policy process, ``num_rollout`` rollouts."""
 
     kind = "refit"
+    bucket_size: int  # every refit has one
 
     def __init__(
         self,

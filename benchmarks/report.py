@@ -112,6 +112,13 @@ def _stats(record: CaseRecord) -> dict[str, dict[str, float]] | None:
             for role, stats in per_role.items()}
 
 
+def _ratio(case: dict[str, Any], base: dict[str, Any] | None) -> float | None:
+    """``case``'s GB/s over ``base``'s; ``None`` where either is missing (or ``base`` is ``case``)."""
+    if base is None or base is case or not base["gbps"] or case["gbps"] is None:
+        return None
+    return float(case["gbps"] / base["gbps"])
+
+
 def add_ratios(cases: list[dict[str, Any]]) -> None:
     """``ratios[name]`` = this case's GB/s over the baseline's, same group and payload."""
     index = {(c["group"], c["key"], c["payload"]): c for c in cases}
@@ -124,8 +131,7 @@ def add_ratios(cases: list[dict[str, Any]]) -> None:
         }
         for name, key in baselines.items():
             base = index.get((case["group"], key, case["payload"])) if key else None
-            ok = base is not None and base["gbps"] and case["gbps"] is not None and base is not case
-            case["ratios"][name] = case["gbps"] / base["gbps"] if ok else None
+            case["ratios"][name] = _ratio(case, base)
 
 
 # --- targets ---------------------------------------------------------------------------
@@ -165,9 +171,7 @@ def evaluate_targets(cases: list[dict[str, Any]], largest: dict[str, int]) -> li
         index = {(c["group"], c["payload"]): c for c in of(gloo_key)}
         checks = []
         for c in of(key):
-            gloo = index.get((c["group"], c["payload"]))
-            ok = gloo is not None and gloo["gbps"] and c["gbps"] is not None
-            checks.append(_check(c, c["gbps"] / gloo["gbps"] if ok else None, 2.0))
+            checks.append(_check(c, _ratio(c, index.get((c["group"], c["payload"]))), 2.0))
         return checks
 
     targets = [

@@ -95,7 +95,7 @@ def descriptors(pid: int) -> int:
 
 def shm_held(pid: int) -> list[str]:
     """``/dev/shm`` files process ``pid`` maps or has open."""
-    held = set()
+    held: set[str] = set()
     with open(f"/proc/{pid}/maps") as maps:
         held.update(line.split(None, 5)[-1].strip() for line in maps if "/dev/shm/" in line)
     for fd in os.listdir(f"/proc/{pid}/fd"):

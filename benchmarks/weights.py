@@ -49,7 +49,7 @@ def write_payload(directory: Path, size_bytes: int, *, label: str, seed: int = 0
     manifest."""
     directory.mkdir(parents=True)
     generator = torch.Generator().manual_seed(seed)
-    entries = []
+    entries: list[dict[str, Any]] = []
     for index, (name, shape, dtype) in enumerate(transformer_shapes(size_bytes)):
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         raw = torch.randint(-(2**31), 2**31 - 1, ((nbytes + 3) // 4,), dtype=torch.int32, generator=generator)

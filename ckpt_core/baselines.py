@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .distributed import gloo_group
 from .worker import peak_rss_bytes
 
 
@@ -40,10 +41,8 @@ class RawGlooWorker:
     def init(self, *, metadata: list[dict[str, Any]]) -> None:
         if self.rank != 0:
             self._store = dist.TCPStore(metadata[0]["host"], metadata[0]["port"], None, False, self.timeout)
-        options = dist.ProcessGroupGloo._Options()
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
-        options._timeout = self.timeout
-        self._group = dist.ProcessGroupGloo(dist.PrefixStore("raw/", self._store), self.rank, self.size, options)
+        self._group = gloo_group(dist.PrefixStore("raw/", self._store), self.rank, self.size, host=self.host,
+                                 timeout=self.timeout)
 
     def transfer(self, *, nbytes: int, topology: str, repetitions: int) -> dict[str, Any]:
         """Move ``nbytes`` ``repetitions`` times; seconds per repetition, as this rank saw it."""

@@ -49,6 +49,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
     """Run one warm-up and ``config.refits`` timed refits, then the raw Gloo floor."""
     if config.refits < 1:
         raise ValueError(f"refits must be >= 1, got {config.refits}")
+    params: dict[str, Any]
     if config.model:
         weights, params = "ckpt_core.synthetic:safetensors_weights", {"path": config.model}
     else:

@@ -22,4 +22,4 @@ def payload_checksum(payload: torch.Tensor) -> int:
         )
     if payload.numel() == 0:
         return xxhash.xxh3_64_intdigest(b"")
-    return xxhash.xxh3_64_intdigest(memoryview(payload.numpy()))
+    return xxhash.xxh3_64_intdigest(payload.numpy().data)

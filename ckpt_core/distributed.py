@@ -51,6 +51,14 @@ to ``HEADER_FRAME_BYTES - 8`` bytes (about 700 chunks) travel in the frame alone
 _FRAME_ROOM = HEADER_FRAME_BYTES - 8
 
 
+def gloo_group(store: Any, rank: int, size: int, *, host: str, timeout: datetime.timedelta) -> Any:
+    """A Gloo process group of ``size`` on ``store``, bound to ``host``'s interface."""
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stubs omit it
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    options._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
 def _timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
@@ -117,7 +125,7 @@ class DistributedSender(BucketSender):
         self, slot: int, header: bytes, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()
     ) -> None:
         frame = self._frames[slot]  # free: wait_slot(slot) preceded this post
-        view = memoryview(frame.numpy())
+        view = frame.numpy().data
         struct.pack_into("<Q", view, 0, len(header))
         view[8 : 8 + min(len(header), _FRAME_ROOM)] = header[:_FRAME_ROOM]
         link = self.link
@@ -168,7 +176,7 @@ class DistributedReceiver(BucketReceiver):
         link = self.link
         link.wait(self._frame_in_flight, timeout_s, "receiving a bucket header")
         frame = self._frame.numpy()
-        (length,) = struct.unpack_from("<Q", frame)
+        (length,) = struct.unpack_from("<Q", frame.data)
         if not 0 < length <= MAX_HEADER_BYTES:
             raise WireFormatError(f"bucket header length {length} is outside (0, {MAX_HEADER_BYTES}]")
         head = frame[8 : 8 + min(length, _FRAME_ROOM)].tobytes()
@@ -238,10 +246,7 @@ class DistributedEngine(BucketedEngine):
         """A group for payloads on ``store`` (already prefixed), of which this worker is ``rank``."""
 
     def _new_control_group(self, store: Any, rank: int, size: int) -> Any:
-        options = dist.ProcessGroupGloo._Options()
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
-        options._timeout = _timedelta(self.timeout_s)
-        return dist.ProcessGroupGloo(store, rank, size, options)
+        return gloo_group(store, rank, size, host=self.host, timeout=_timedelta(self.timeout_s))
 
     def _shares_control_group(self) -> bool:
         """Whether payloads may ride the control group (true when both live on the host)."""

@@ -105,7 +105,7 @@ _STORAGE_POOL = _Pool(STORAGE_POOL_BYTES)
 _BLOCK_TYPES: dict[tuple[int, int], type] = {}
 
 
-def _block_type(size: int, pool: _Pool) -> type:
+def _block_type(size: int, pool: _Pool) -> Any:
     """A ctypes byte array of ``size`` whose instances hand their mapping back to ``pool``
     when they die. A tensor made with ``torch.frombuffer`` holds its block until the tensor's
     storage (every view of it) is freed, so the block's death is the memory's release."""

@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import importlib
 import inspect
+from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
@@ -114,7 +115,7 @@ def list_backends(*, details: bool = False) -> list[BackendInfo]:
 
 
 def _describe(entry: BackendEntry, *, duplicates: list[BackendEntry], details: bool) -> BackendInfo:
-    base = dict(
+    base: dict[str, Any] = dict(
         name=entry.name,
         distribution=entry.distribution,
         version=entry.version,
@@ -225,7 +226,8 @@ def build_engine(
         raise InvalidArgumentError(f"bucket_size_bytes must be a positive int (bytes), got {bucket_size_bytes!r}")
     engine_class = resolve_backend(backend)
     check_engine_kwargs(engine_class, engine_kwargs)
-    return engine_class(bucket_size=bucket_size_bytes, **engine_kwargs)
+    construct: Callable[..., CheckpointEngine] = engine_class  # the ABC itself declares no options
+    return construct(bucket_size=bucket_size_bytes, **engine_kwargs)
 
 
 def check_engine_kwargs(engine_class: type[CheckpointEngine], engine_kwargs: Any) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import resource
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from typing import Any
 
 import torch
@@ -175,7 +175,7 @@ class _Counted:
         self._items = items
         self.count = 0
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def __iter__(self) -> Generator[tuple[str, torch.Tensor], None, None]:
         for item in self._items:
             self.count += 1
             yield item

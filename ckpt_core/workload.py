@@ -37,7 +37,7 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     digest.update(f"{dtype_name(tensor.dtype)}{list(tensor.shape)}".encode())
     data = tensor_bytes(tensor.cpu())
     if data.numel():
-        digest.update(memoryview(data.numpy()))
+        digest.update(data.numpy().data)
     return digest.hexdigest()
 
 

@@ -447,6 +447,7 @@ class AutomodelCheckpointManager:
         _refuse_overwrite(model_dir, "model")
         save_optimizer = optimizer is not None and optimizer_path is not None
         if save_optimizer:
+            assert optimizer_path is not None
             _refuse_overwrite(Path(os.fspath(optimizer_path)) / OPTIMIZER_SUBDIR, "optimizer")
         elif optimizer is not None or scheduler is not None:
             logger.info("Optimizer/scheduler state not saved: pass both optimizer and optimizer_path to save it.")
@@ -460,6 +461,7 @@ class AutomodelCheckpointManager:
         if beside is not None and not self._checkpointer_saves_tokenizer(checkpointer.config):
             self._save_tokenizer(beside, model_dir)
         if save_optimizer:
+            assert optimizer_path is not None
             checkpointer.save_optimizer(optimizer, model, os.fspath(optimizer_path), scheduler=scheduler)
         if tokenizer is not None and tokenizer_path is not None:
             self._save_tokenizer(tokenizer, Path(os.fspath(tokenizer_path)))

@@ -88,7 +88,7 @@ async def _drain(batches: Any) -> None:
 def _step(engine: CheckpointEngine, step: str, state: dict[str, Any]) -> None:
     # Before prepare() there is no metadata; placeholders of the right length stand in for it.
     metadata = [state["metadata"]] * 2 if "metadata" in state else [{}, {}]
-    sizes = {"train_world_size": 1, "rollout_world_size": 1, "metadata": metadata}
+    sizes: dict[str, Any] = {"train_world_size": 1, "rollout_world_size": 1, "metadata": metadata}
     if step == "prepare":
         state["metadata"] = engine.prepare()
     elif step == "init_policy":
