@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test bench bench-all gpu-check clean
+.PHONY: venv test typecheck bench bench-all gpu-check clean
 
 venv: $(STAMP)
 
@@ -17,6 +17,10 @@ $(STAMP): requirements-dev.txt pyproject.toml plugins/*/pyproject.toml
 ## The whole test suite (what CI runs). GPU tests skip without CUDA.
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+## Static types of the library, the plugins and the benchmarks (CI runs it after the tests).
+typecheck: $(STAMP)
+	$(BIN)/python -m mypy
 
 ## The main job: a 1 GiB refit, 1 policy -> 2 rollout processes over gloo_cpu, checked bit-exact.
 bench: $(STAMP)
