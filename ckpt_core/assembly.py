@@ -187,10 +187,15 @@ class _Partial:
 
 class ChunkAssembler:
     """Plans the chunks of one stream; outputs live on ``device`` (``None``: each tensor on
-    the device its first chunk is on, given to :meth:`plan` as ``chunk_device``)."""
+    the device its first chunk is on, given to :meth:`plan` as ``chunk_device``).
 
-    def __init__(self, device: torch.device | None = None) -> None:
+    ``split_only``: ``device`` applies only to tensors that arrive in several chunks; a tensor
+    carried whole by one chunk stays on that chunk's device (NeMo RL's ``merge_device``).
+    """
+
+    def __init__(self, device: torch.device | None = None, *, split_only: bool = False) -> None:
         self._device = device
+        self._split_only = split_only
         self._pending: _Partial | None = None
 
     @property
@@ -211,9 +216,10 @@ class ChunkAssembler:
                     f"tensor {meta.name!r} starts at byte {meta.chunk_offset} instead of 0: "
                     f"bytes [0, {meta.chunk_offset}) are missing or arrived out of order"
                 )
-            device = self._device if self._device is not None else chunk_device
             nbytes = meta.nbytes
-            if not in_place and meta.chunk_size == nbytes and nbytes < POOLED_MIN_BYTES:
+            whole = meta.chunk_size == nbytes
+            device = chunk_device if self._device is None or (whole and self._split_only) else self._device
+            if not in_place and whole and nbytes < POOLED_MIN_BYTES:
                 move_to = None if device == chunk_device else device
                 return Landing(meta, None, None, move_to)
             pending = self._pending = _Partial(meta, _allocate(meta, device))

@@ -41,11 +41,15 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class TensorMeta:
     """Where one chunk of one named tensor sits, in the tensor and in its bucket.
 
     ``nbytes`` is the size of the whole tensor (``numel * itemsize``), not of the chunk.
+
+    A plain mutable dataclass, as in NeMo RL: an engine that lays out buckets of its own
+    assigns ``meta.offset`` to the metas ``split_weight_chunks`` yields (NeMo RL's NIXL engine
+    does). Being mutable it is not hashable; the library never keys anything on one.
     """
 
     name: str
@@ -116,25 +120,7 @@ class TensorMeta:
                 f"tensor {name!r}: chunk [{chunk_offset}, {chunk_offset + chunk_size}) lies outside "
                 f"the tensor's {nbytes} bytes"
             )
-        return cls.trusted(name, shape, dtype, chunk_offset, chunk_size, offset)
-
-    @classmethod
-    def trusted(
-        cls, name: str, shape: torch.Size, dtype: torch.dtype, chunk_offset: int, chunk_size: int, offset: int | None
-    ) -> TensorMeta:
-        """``TensorMeta(...)`` for values already checked, three times faster: it sets the
-        fields at once instead of through the frozen dataclass's ``__setattr__`` one by one.
-        The chunking and the wire decoder build one per chunk."""
-        meta = _new_object(cls)
-        _set_attribute(meta, "__dict__", {
-            "name": name, "shape": shape, "dtype": dtype,
-            "chunk_offset": chunk_offset, "chunk_size": chunk_size, "offset": offset,
-        })
-        return meta
-
-
-_new_object = object.__new__
-_set_attribute = object.__setattr__
+        return cls(name, shape, dtype, chunk_offset, chunk_size, offset)
 
 
 def tensor_geometry(name: Any, shape: Any, dtype: Any) -> tuple[torch.Size, torch.dtype, int]:
@@ -307,7 +293,7 @@ def _split(
             offset, take = _place(used, total - done, align, bucket_size)
             chunks = 1 if offset < used else chunks + 1
             chunk = data if take == total else data[done : done + take]
-            yield TensorMeta.trusted(name, tensor.shape, tensor.dtype, done, take, offset), chunk
+            yield TensorMeta(name, tensor.shape, tensor.dtype, done, take, offset), chunk
             used = offset + take
             done += take
             if done == total:
@@ -348,8 +334,12 @@ async def merge_weight_chunk_batches(
     Each input batch produces one output batch holding the tensors whose last chunk it carried,
     in stream order; an input batch that completes no tensor produces nothing. Output tensors
     own their memory (they never alias the input chunks, so a producer may reuse its buffers
-    once the next batch is requested) and live on ``merge_device``, or on the chunks' device
-    when it is ``None``.
+    once the next batch is requested).
+
+    ``merge_device`` has NeMo RL's meaning: tensors assembled from several chunks are built on
+    it; a tensor that one chunk carries whole stays on that chunk's device (NeMo RL's NIXL
+    engine passes ``"cpu"`` to keep large, multi-bucket tensors off the GPU). ``None``: every
+    tensor on its chunks' device.
 
     Never yields a partly filled tensor: a chunk that disagrees with the tensor being
     assembled (name, shape or dtype), a gap, an overlap, chunks out of order, a chunk whose
@@ -358,7 +348,8 @@ async def merge_weight_chunk_batches(
     """
     from .assembly import ChunkAssembler  # assembly builds on TensorMeta, defined above
 
-    assembler = ChunkAssembler(torch.device(merge_device) if merge_device is not None else None)
+    device = torch.device(merge_device) if merge_device is not None else None
+    assembler = ChunkAssembler(device, split_only=True)
     async for batch in chunk_batches:
         done: list[tuple[str, torch.Tensor]] = []
         for meta, chunk in batch:

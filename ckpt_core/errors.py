@@ -15,8 +15,11 @@ class CheckpointEngineError(Exception):
 # --- registry ------------------------------------------------------------------------------
 
 
-class UnknownBackendError(CheckpointEngineError, LookupError):
-    """No installed backend has the requested name."""
+class UnknownBackendError(CheckpointEngineError, LookupError, ValueError):
+    """No installed backend has the requested name.
+
+    Also a ``ValueError``, as NeMo RL's ``create_checkpoint_engine`` raises for an unknown name,
+    and its message starts the same way (``Unknown checkpoint-engine backend 'name'``)."""
 
 
 class BackendImportError(CheckpointEngineError, ImportError):
@@ -63,6 +66,11 @@ class IntegrityError(CheckpointEngineError):
 
 
 # --- lifecycle and transfer ---------------------------------------------------------------
+
+
+class LayoutUnavailableError(CheckpointEngineError, NotImplementedError):
+    """``get_target_weight_layout()`` was asked for with ``shard_expert_weights=True``, but the
+    engine has no destination layout (NeMo RL's base raises ``NotImplementedError`` there)."""
 
 
 class LifecycleError(CheckpointEngineError, RuntimeError):

@@ -187,7 +187,7 @@ class _BucketPacker:
         self.layout_end = meta.offset + meta.chunk_size
         self.stats.payload_bytes += meta.chunk_size
         if self.direct_min is not None and meta.chunk_size >= self.direct_min and chunk.device == self.buffer.device:
-            self.chunks.append(TensorMeta.trusted(meta.name, meta.shape, meta.dtype, meta.chunk_offset, meta.chunk_size, None))
+            self.chunks.append(TensorMeta(meta.name, meta.shape, meta.dtype, meta.chunk_offset, meta.chunk_size, None))
             self.direct.append(chunk)
             return
         # Packed chunks close up the room direct chunks left, keeping their alignment; they
@@ -203,7 +203,7 @@ class _BucketPacker:
                 self.sender.pack(self.slot, offset, chunk)
             self.stats.pack_seconds += time.perf_counter() - start
         if offset != meta.offset:
-            meta = TensorMeta.trusted(meta.name, meta.shape, meta.dtype, meta.chunk_offset, meta.chunk_size, offset)
+            meta = TensorMeta(meta.name, meta.shape, meta.dtype, meta.chunk_offset, meta.chunk_size, offset)
         self.chunks.append(meta)
         self.packed_end = offset + meta.chunk_size
 

@@ -185,7 +185,7 @@ def _load_target(target: str, *, entry: BackendEntry | None) -> type[CheckpointE
 
 
 def _unknown_message(backend: str, entries: dict[str, list[BackendEntry]]) -> str:
-    lines = [f"no checkpoint-engine backend named {backend!r} is installed."]
+    lines = [f"Unknown checkpoint-engine backend {backend!r}: no installed backend has that name."]
     if backend in KNOWN_DISTRIBUTIONS:
         lines.append(f"It ships as a plugin: pip install {KNOWN_DISTRIBUTIONS[backend]}")
     close = difflib.get_close_matches(backend, list(entries), n=1)

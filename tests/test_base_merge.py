@@ -113,12 +113,30 @@ def test_merge_device_cpu(merge_device: torch.device | str | None, rng: torch.Ge
     assert_same_weights(out, weights)
 
 
+def test_merge_device_moves_only_tensors_split_over_chunks(rng: torch.Generator) -> None:
+    """NeMo RL's meaning: a tensor one chunk carries whole stays on the chunk's device; only
+    tensors assembled from several chunks are built on ``merge_device``. The ``meta`` device
+    makes the difference visible without a GPU."""
+    weights = [
+        ("whole", random_tensor((3,), torch.float32, rng)),
+        ("split", random_tensor((40,), torch.float32, rng)),
+        ("empty", torch.empty(0)),
+    ]
+    out = dict(flatten(merge_all([chunks_of(weights, 64)], merge_device="meta")))
+    assert out["whole"].device.type == "cpu" and out["empty"].device.type == "cpu"
+    assert out["split"].device.type == "meta" and out["split"].shape == (40,)
+    assert_same_tensor(out["whole"], weights[0][1], "whole")
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_merge_device_cuda(rng: torch.Generator) -> None:
-    weights = [("a", random_tensor((3, 2), torch.bfloat16, rng)), ("b", random_tensor((), torch.bool, rng))]
-    out = flatten(merge_all([chunks_of(weights, 4)], merge_device="cuda"))
-    assert all(t.device.type == "cuda" for _, t in out)
-    assert_same_weights([(n, t.cpu()) for n, t in out], weights)
+def test_merge_device_cpu_keeps_split_tensors_off_the_gpu(rng: torch.Generator) -> None:
+    """What NeMo RL's NIXL engine relies on: chunks in a GPU buffer, ``merge_device="cpu"``."""
+    weights = [("a", random_tensor((3, 2), torch.bfloat16, rng)), ("b", random_tensor((64,), torch.float32, rng))]
+    chunks = [(meta, chunk.cuda()) for meta, chunk in chunks_of(weights, 64)]
+    out = dict(flatten(merge_all([chunks], merge_device="cpu")))
+    assert out["a"].device.type == "cuda" and out["b"].device.type == "cpu"
+    assert_same_weights([(n, out[n].cpu()) for n, _ in weights], weights)
 
 
 # --- malformed streams -----------------------------------------------------------------------

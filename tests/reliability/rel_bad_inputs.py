@@ -270,7 +270,7 @@ caller can catch ``CheckpointEngineError``) that still is a ``ValueError``."""
 CASES: list[Case] = [
     # choosing a backend
     Case("unknown-backend", "backend name nobody registered (`\"no_such_backend\"`)", build("no_such_backend"),
-         (UnknownBackendError,), r"no checkpoint-engine backend named 'no_such_backend'.*Installed backends"),
+         (UnknownBackendError,), r"Unknown checkpoint-engine backend 'no_such_backend'.*Installed backends"),
     Case("misspelled-backend", "misspelled backend name (`\"gloo_cpo\"`)", build("gloo_cpo"),
          (UnknownBackendError,), r"Did you mean 'gloo_cpu'"),
     Case("backend-not-str", "backend that is not a string (`None`)", build(None),
