@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from .dtypes import check_transferable, dtype_from_name, dtype_name
-from .errors import UnsupportedTensorError, WireFormatError
+from .errors import LayoutUnavailableError, UnsupportedTensorError, WireFormatError
 
 __all__ = [
     "CheckpointEngine",
@@ -160,7 +160,16 @@ class CheckpointEngine(abc.ABC):
     shard_expert_weights: bool = False
 
     def get_target_weight_layout(self) -> dict[str, Any] | None:
-        """Return the destination-local layout for this policy rank, if any."""
+        """Return the destination-local layout for this policy rank, if any.
+
+        An engine with ``shard_expert_weights`` set must provide the layout; this default then
+        raises ``LayoutUnavailableError`` (a ``NotImplementedError``), as NeMo RL's base does.
+        """
+        if self.shard_expert_weights:
+            raise LayoutUnavailableError(
+                f"{type(self).__name__} must implement get_target_weight_layout() when "
+                "shard_expert_weights is enabled."
+            )
         return None
 
     @abc.abstractmethod

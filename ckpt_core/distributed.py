@@ -212,7 +212,8 @@ class DistributedEngine(BucketedEngine):
     (``"broadcast"`` or ``"paired"``), ``host`` (the address this worker binds and advertises;
     default ``127.0.0.1``, set it to the node's address for multi-node runs), ``auth_token``
     (a shared secret checked at rendezvous, see :mod:`ckpt_core.auth`; default: the
-    ``CKPT_CORE_AUTH_TOKEN`` environment variable, else none).
+    ``CKPT_CORE_AUTH_TOKEN`` environment variable, else none), ``release_after_refit`` and
+    ``shard_expert_weights`` (see :class:`~ckpt_core.engine.BucketedEngine`).
     """
 
     device_type: ClassVar[str] = "cpu"
@@ -226,8 +227,16 @@ class DistributedEngine(BucketedEngine):
         timeout_s: float = 300.0,
         checksum: bool = False,
         auth_token: str | None = None,
+        release_after_refit: bool = False,
+        shard_expert_weights: bool = False,
     ) -> None:
-        super().__init__(bucket_size=bucket_size, timeout_s=timeout_s, checksum=checksum)
+        super().__init__(
+            bucket_size=bucket_size,
+            timeout_s=timeout_s,
+            checksum=checksum,
+            release_after_refit=release_after_refit,
+            shard_expert_weights=shard_expert_weights,
+        )
         owner = type(self).__name__
         if auth_token is not None and (not isinstance(auth_token, str) or not auth_token):
             raise EngineOptionError(f"{owner}: auth_token must be a non-empty string or None")
@@ -337,6 +346,11 @@ class DistributedEngine(BucketedEngine):
                 f"{train_world_size} policy and {rollout_world_size} rollout ranks. Use "
                 "topology='broadcast' instead."
             )
+
+    def _destinations(self, worker_rank: int, train_world_size: int, rollout_world_size: int) -> list[int]:
+        if self.topology == "paired":
+            return [worker_rank] if worker_rank < rollout_world_size else []
+        return super()._destinations(worker_rank, train_world_size, rollout_world_size)
 
     def _connect_policy(
         self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]

@@ -26,7 +26,13 @@ import torch
 
 from .base import CheckpointEngine
 from .checksum import payload_checksum
-from .errors import EngineOptionError, InvalidArgumentError, LifecycleError, WireFormatError
+from .errors import (
+    EngineOptionError,
+    InvalidArgumentError,
+    LayoutUnavailableError,
+    LifecycleError,
+    WireFormatError,
+)
 from .hooks import RefitNotifier
 from .host_memory import release_host_pool
 from .pipeline import Checksum, receive_refit, send_refit
@@ -66,19 +72,43 @@ class BucketedEngine(CheckpointEngine):
     """Base of engines built on the shared bucket pipeline.
 
     Options: ``bucket_size`` (bytes per bucket; each side holds two), ``timeout_s`` (bound on
-    every wait, default 300), ``checksum`` (xxh3 per bucket, default on).
+    every wait, default 300), ``checksum`` (xxh3 per bucket, default on), and two that NeMo
+    RL passes to every checkpoint engine, with its meaning:
+
+    * ``release_after_refit`` (default off): NeMo RL then calls ``finalize()`` after every
+      refit, and ``finalize()`` also hands cached memory back (the pooled host memory of freed
+      received tensors, and, where the engine's buffers are on a GPU, torch's CUDA cache on
+      that device), so that the memory is free for others until the next refit. ``finalize()``
+      closes connections and drops bucket buffers either way; off, those caches stay warm for
+      the next refit.
+    * ``shard_expert_weights`` (default off): on a policy worker, ``get_target_weight_layout()``
+      returns the ``"weight_layout"`` that the destination rollout worker put in its
+      ``prepare()`` metadata (NeMo RL's vLLM worker does), for the caller to select the weights
+      that destination keeps. On a rollout worker the engine only carries the flag: the
+      worker's loader reads it.
     """
 
     backend_name: ClassVar[str] = "bucketed"
     """The entry-point name; stamped into metadata so engines of another backend are refused."""
 
-    def __init__(self, *, bucket_size: int, timeout_s: float = 300.0, checksum: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        bucket_size: int,
+        timeout_s: float = 300.0,
+        checksum: bool = True,
+        release_after_refit: bool = False,
+        shard_expert_weights: bool = False,
+    ) -> None:
         owner = type(self).__name__
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
             raise EngineOptionError(f"{owner}: bucket_size must be an int >= 1 (bytes), got {bucket_size!r}")
         self.bucket_size = bucket_size
         self.timeout_s = check_positive_number(owner, "timeout_s", timeout_s)
         self.checksum = check_bool(owner, "checksum", checksum)
+        self.release_after_refit = check_bool(owner, "release_after_refit", release_after_refit)
+        self.shard_expert_weights = check_bool(owner, "shard_expert_weights", shard_expert_weights)
+        self._target_layout: dict[str, Any] | None = None
         self._state = _State.NEW
         self._engine_id = ""
         self._sender: BucketSender | None = None
@@ -107,6 +137,16 @@ class BucketedEngine(CheckpointEngine):
     def _release_transport(self) -> None:
         pass
 
+    def _release_cached_memory(self) -> None:
+        """Hand cached memory back to the system (``finalize()`` with ``release_after_refit``);
+        engines with device buffers also empty their device's cache."""
+        release_host_pool()
+
+    def _destinations(self, worker_rank: int, train_world_size: int, rollout_world_size: int) -> list[int]:
+        """The rollout ranks policy rank ``worker_rank`` sends to; by default policy rank 0
+        broadcasts to all. Transports with other topologies override it."""
+        return list(range(rollout_world_size)) if worker_rank == 0 else []
+
     def _payload_checksum(self) -> Checksum | None:
         """The checksum both sides compute over a bucket's payload, or ``None`` for none.
         Transports with device buffers return a function that reads device memory."""
@@ -130,7 +170,9 @@ class BucketedEngine(CheckpointEngine):
     ) -> None:
         self._require(_State.PREPARED, "init_policy_process_group()")
         checked = self._check_metadata(worker_rank, worker_rank, train_world_size, rollout_world_size, metadata)
+        layout = self._destination_layout(worker_rank, train_world_size, rollout_world_size, checked)
         self._sender = self._connect_policy(worker_rank, train_world_size, rollout_world_size, checked)
+        self._target_layout = layout
         self._enter(_State.POLICY, worker_rank)
 
     def init_rollout_process_group(
@@ -143,15 +185,59 @@ class BucketedEngine(CheckpointEngine):
         self._enter(_State.ROLLOUT, rollout_rank)
 
     def finalize(self) -> None:
-        """Release buffers, connections, groups and the pooled memory of freed received
-        tensors (:mod:`ckpt_core.host_memory`). Idempotent; ``prepare()`` may follow."""
+        """Release buffers, connections and groups; with ``release_after_refit``, also the
+        cached memory (see the class docstring). Idempotent; ``prepare()`` may follow."""
         try:
             self._drop_transport()
         finally:
-            release_host_pool()
             self._state = _State.NEW
             self._refit_index = 0
             self._busy = False
+            self._target_layout = None
+            if self.release_after_refit:
+                self._release_cached_memory()
+
+    def get_target_weight_layout(self) -> dict[str, Any] | None:
+        """With ``shard_expert_weights``: the ``"weight_layout"`` of the rollout worker this
+        policy worker sends to (``None`` for a policy worker that sends to none and drains its
+        weights). Without it: ``None``. ``LayoutUnavailableError`` before
+        ``init_policy_process_group``, which is where the layout arrives."""
+        if not self.shard_expert_weights:
+            return None
+        if self._state is not _State.POLICY:
+            raise LayoutUnavailableError(
+                f"{type(self).__name__}.get_target_weight_layout(): the layout comes with the rollout "
+                f"workers' metadata in init_policy_process_group(), but the engine is {self._state.value}"
+            )
+        return self._target_layout
+
+    def _destination_layout(
+        self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> dict[str, Any] | None:
+        """The layout ``get_target_weight_layout()`` returns, checked before connecting."""
+        if not self.shard_expert_weights:
+            return None
+        owner = type(self).__name__
+        destinations = self._destinations(worker_rank, train_world_size, rollout_world_size)
+        layouts = []
+        for rank in destinations:
+            layout = metadata[train_world_size + rank].get("weight_layout")
+            if not isinstance(layout, dict):
+                raise InvalidArgumentError(
+                    f"{owner}: shard_expert_weights=True, but rollout rank {rank}'s prepare() metadata has no "
+                    f"'weight_layout' mapping (got {type(layout).__name__}): each rollout worker adds its "
+                    "layout to its metadata, as NeMo RL's vLLM worker does when its engine has "
+                    "shard_expert_weights=True; or turn shard_expert_weights off on every worker"
+                )
+            layouts.append(layout)
+        if any(layout != layouts[0] for layout in layouts[1:]):
+            raise EngineOptionError(
+                f"{owner}: policy rank {worker_rank} sends the same bytes to rollout ranks {destinations}, "
+                "but their weight layouts differ, so no one selection of weights fits them all: use a "
+                "topology in which each policy rank feeds one rollout rank (topology='paired'), or "
+                "shard_expert_weights=False"
+            )
+        return layouts[0] if layouts else None
 
     def _drop_transport(self) -> None:
         try:

@@ -102,6 +102,10 @@ class CudaIpcCheckpointEngine(BucketedEngine):
       (measured in the plugin README).
     * ``socket_dir``: where the private control directory is made (default: the system temp
       directory); must be short enough for a Unix socket path.
+    * ``release_after_refit``, ``shard_expert_weights``: NeMo RL's, see
+      :class:`ckpt_core.engine.BucketedEngine`. The slot buffers are shared with the peers of
+      one ``init``, so ``finalize()`` always unmaps them; ``release_after_refit`` also empties
+      torch's CUDA cache on a CUDA device.
     """
 
     backend_name: ClassVar[str] = "cuda_ipc"
@@ -128,6 +132,8 @@ class CudaIpcCheckpointEngine(BucketedEngine):
         timeout_s: float = 300.0,
         checksum: bool = False,
         socket_dir: str | None = None,
+        release_after_refit: bool = False,
+        shard_expert_weights: bool = False,
     ) -> None:
         owner = type(self).__name__
         reason = self.unavailable_reason()
@@ -136,7 +142,13 @@ class CudaIpcCheckpointEngine(BucketedEngine):
         self.device = _parse_device(owner, device)
         if self.device.type == "cuda":
             self._check_cuda(owner)
-        super().__init__(bucket_size=bucket_size, timeout_s=timeout_s, checksum=checksum)
+        super().__init__(
+            bucket_size=bucket_size,
+            timeout_s=timeout_s,
+            checksum=checksum,
+            release_after_refit=release_after_refit,
+            shard_expert_weights=shard_expert_weights,
+        )
         if socket_dir is None:
             socket_dir = tempfile.gettempdir()
         if not isinstance(socket_dir, str) or not socket_dir:
@@ -308,6 +320,11 @@ class CudaIpcCheckpointEngine(BucketedEngine):
         if any(slots.mapped for slots in self._host_slots):
             gc.collect()
         self._host_slots = [slots for slots in self._host_slots if slots.mapped]
+
+    def _release_cached_memory(self) -> None:
+        super()._release_cached_memory()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _payload_checksum(self) -> Checksum | None:
         if not self.checksum:

@@ -33,9 +33,11 @@ class NcclCheckpointEngine(DistributedEngine):
     ``topology`` (``"broadcast"`` | ``"paired"``), ``host`` (address to bind and advertise,
     default ``127.0.0.1``), ``timeout_s`` (every wait, default 300), ``checksum`` (a device
     checksum per bucket, verified on the receiving GPU; default on), ``device`` (``"cuda"``
-    for the current CUDA device, or ``"cuda:N"``), ``release_buffers`` (on ``finalize()``,
-    return the freed buffer memory from torch's cache to the device; default off),
-    ``auth_token`` (shared secret checked at rendezvous, see :mod:`ckpt_core.auth`).
+    for the current CUDA device, or ``"cuda:N"``), ``release_after_refit`` (``finalize()`` also
+    returns the freed buffer memory from torch's cache to the device, for an inference engine
+    that sizes its KV cache from free memory; default off), ``shard_expert_weights`` (see
+    :class:`~ckpt_core.engine.BucketedEngine`), ``auth_token`` (shared secret checked at
+    rendezvous, see :mod:`ckpt_core.auth`).
 
     Checksums are :func:`ckpt_core.device_checksum.device_payload_checksum` (computed on the
     GPU), not the core's host-memory xxh3.
@@ -61,7 +63,8 @@ class NcclCheckpointEngine(DistributedEngine):
         timeout_s: float = 300.0,
         checksum: bool = True,
         device: str = "cuda",
-        release_buffers: bool = False,
+        release_after_refit: bool = False,
+        shard_expert_weights: bool = False,
         auth_token: str | None = None,
     ) -> None:
         owner = type(self).__name__
@@ -73,7 +76,8 @@ class NcclCheckpointEngine(DistributedEngine):
             timeout_s=timeout_s,
             checksum=checksum,
             device=device,
-            release_buffers=release_buffers,
+            release_after_refit=release_after_refit,
+            shard_expert_weights=shard_expert_weights,
             auth_token=auth_token,
         )
         reason = self.unavailable_reason()
@@ -90,8 +94,9 @@ class NcclCheckpointEngine(DistributedEngine):
             timeout_s=options.timeout_s,
             checksum=options.checksum,
             auth_token=auth_token,
+            release_after_refit=options.release_after_refit,
+            shard_expert_weights=options.shard_expert_weights,
         )
-        self.release_buffers = options.release_buffers
         self._pack_stream: PackStream | None = None
 
     # --- how peers meet ----------------------------------------------------------------
@@ -151,5 +156,7 @@ class NcclCheckpointEngine(DistributedEngine):
             super()._release_transport()
         finally:
             self._pack_stream = None
-            if self.release_buffers:
-                self.platform.release_cached_memory(self.device)
+
+    def _release_cached_memory(self) -> None:
+        super()._release_cached_memory()
+        self.platform.release_cached_memory(self.device)

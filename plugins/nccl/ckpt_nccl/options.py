@@ -31,7 +31,8 @@ class NcclOptions:
     checksum: bool
     device_index: int | None
     """``None`` means the current CUDA device at construction time."""
-    release_buffers: bool
+    release_after_refit: bool
+    shard_expert_weights: bool
 
 
 def parse_device(owner: str, device: Any) -> int | None:
@@ -66,7 +67,8 @@ def check_options(
     timeout_s: Any,
     checksum: Any,
     device: Any,
-    release_buffers: Any,
+    release_after_refit: Any,
+    shard_expert_weights: Any,
     auth_token: Any = None,
 ) -> NcclOptions:
     """Validate every option; raises ``EngineOptionError`` naming the first bad one.
@@ -85,5 +87,6 @@ def check_options(
         timeout_s=check_positive_number(owner, "timeout_s", timeout_s),
         checksum=check_bool(owner, "checksum", checksum),
         device_index=parse_device(owner, device),
-        release_buffers=check_bool(owner, "release_buffers", release_buffers),
+        release_after_refit=check_bool(owner, "release_after_refit", release_after_refit),
+        shard_expert_weights=check_bool(owner, "shard_expert_weights", shard_expert_weights),
     )

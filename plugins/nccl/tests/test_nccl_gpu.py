@@ -150,7 +150,7 @@ def test_the_sender_pipeline_packs_checksums_and_sends_into_a_one_rank_link():
 
 
 def test_prepare_on_a_gpu_returns_json_metadata_naming_the_gpu():
-    engine = NcclCheckpointEngine(bucket_size=1 << 20, device="cuda:0", release_buffers=True)
+    engine = NcclCheckpointEngine(bucket_size=1 << 20, device="cuda:0", release_after_refit=True)
     try:
         metadata = engine.prepare()
         assert json.loads(json.dumps(metadata)) == metadata

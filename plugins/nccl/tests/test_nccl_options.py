@@ -22,7 +22,8 @@ GOOD = dict(
     timeout_s=30.0,
     checksum=True,
     device="cuda",
-    release_buffers=False,
+    release_after_refit=False,
+    shard_expert_weights=False,
 )
 NO_GPU = CudaPlatform().unavailable_reason() is not None
 
@@ -52,7 +53,8 @@ def test_bad_device_names_are_refused(device):
         ("timeout_s", 0, "timeout_s must be a finite number > 0"),
         ("timeout_s", float("inf"), "timeout_s must be a finite number > 0"),
         ("checksum", "yes", "checksum must be True or False"),
-        ("release_buffers", 1, "release_buffers must be True or False"),
+        ("release_after_refit", 1, "release_after_refit must be True or False"),
+        ("shard_expert_weights", "yes", "shard_expert_weights must be True or False"),
         ("device", "cpu", "device must be 'cuda'"),
         ("auth_token", "", "auth_token must be a non-empty string or None"),
         ("auth_token", 5, "auth_token must be a non-empty string or None"),
@@ -97,8 +99,8 @@ def test_bad_options_are_reported_before_availability():
 
 def test_option_names_are_checked_against_the_constructor():
     check_engine_kwargs(NcclCheckpointEngine, {k: v for k, v in GOOD.items() if k != "bucket_size"})
-    with pytest.raises(EngineOptionError, match="did you mean 'release_buffers'"):
-        check_engine_kwargs(NcclCheckpointEngine, {"release_buffer": True})
+    with pytest.raises(EngineOptionError, match="did you mean 'release_after_refit'"):
+        check_engine_kwargs(NcclCheckpointEngine, {"release_after_refits": True})
 
 
 def test_list_backends_reports_why_it_cannot_run_here():
@@ -112,8 +114,8 @@ def test_list_backends_reports_why_it_cannot_run_here():
 
 
 def test_the_engine_attributes_reflect_the_options():
-    engine = HostNcclEngine(bucket_size=4096, checksum=True, release_buffers=True, topology="paired")
-    assert engine.checksum and engine.release_buffers and engine.topology == "paired"
+    engine = HostNcclEngine(bucket_size=4096, checksum=True, release_after_refit=True, topology="paired")
+    assert engine.checksum and engine.release_after_refit and engine.topology == "paired"
     # Both sides checksum on the device; the core's host-memory xxh3 is never used.
     assert engine._payload_checksum() is device_payload_checksum
     assert HostNcclEngine(bucket_size=4096, checksum=False)._payload_checksum() is None
