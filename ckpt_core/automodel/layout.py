@@ -95,12 +95,13 @@ def _infer_checkpoint_root(weights_path: str | os.PathLike[str]) -> str:
     directory, drops that too. Trailing slashes are ignored. Examples:
     ``/ckpt/step_3/policy/weights/model`` -> ``/ckpt/step_3/policy``;
     ``/ckpt/step_3/policy/weights`` -> ``/ckpt/step_3/policy``;
-    ``/ckpt/run/model`` -> ``/ckpt/run``.
+    ``/ckpt/run/model`` -> ``/ckpt/run``; ``weights/model`` -> ``""``, as NeMo RL's
+    function of the same name returns (and ``os.path.dirname`` would).
     """
     parent = os.path.dirname(os.path.normpath(os.fspath(weights_path)))
     if os.path.basename(parent) == "weights":
         parent = os.path.dirname(parent)
-    return parent or "."
+    return parent
 
 
 def _listing(directory: Path) -> str:

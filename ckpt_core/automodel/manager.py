@@ -61,6 +61,13 @@ def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+def _wait_for_rank0() -> None:
+    """After a rank-0-only write: every rank returns once it is on disk. A barrier of the
+    trainer's default group (DCP saves use it already), bounded by that group's timeout."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def _is_meta(param: torch.Tensor) -> bool:
     return param.device.type == "meta"
 
@@ -417,7 +424,8 @@ class AutomodelCheckpointManager:
         its last component is ``model``). The optimizer state, with the scheduler
         state, is saved to ``optimizer_path/optim/`` only if both ``optimizer`` and
         ``optimizer_path`` are given. The tokenizer is saved to ``tokenizer_path`` if
-        given, else beside the weights (see docs/automodel.md for where).
+        given, else beside the weights (see docs/automodel.md for where), by rank 0 alone;
+        in a distributed run every rank returns only once it is written.
 
         Args:
             model: The model to save.
@@ -428,10 +436,11 @@ class AutomodelCheckpointManager:
             tokenizer: Optional tokenizer to save with the checkpoint.
             tokenizer_path: Optional path to save tokenizer separately.
             checkpointing_cfg: Checkpointing configuration (required): a
-                :class:`CheckpointingConfig` or a mapping with its keys.
+                :class:`CheckpointingConfig`, or a mapping with its keys (NeMo RL's whole
+                ``CheckpointingConfig`` mapping is accepted: its manager keys are ignored).
             lora_enabled: Whether LoRA is enabled; saves only the adapter.
             peft_config: The nemo_automodel ``PeftConfig`` of the adapter (required
-                when saving an adapter).
+                when saving an adapter; ``checkpointing_cfg.peft_config`` if not given).
 
         Raises:
             CheckpointerNotInitializedError: Before ``init_checkpointer``.
@@ -442,6 +451,8 @@ class AutomodelCheckpointManager:
         """
         checkpointer = self._require_checkpointer("save a checkpoint")
         cfg = CheckpointingConfig.coerce(checkpointing_cfg)
+        if peft_config is None:
+            peft_config = cfg.peft_config
         is_peft = self._peft_mode(cfg, lora_enabled, peft_config)
         model_dir = model_dir_for_save(weights_path)
         _refuse_overwrite(model_dir, "model")
@@ -465,6 +476,8 @@ class AutomodelCheckpointManager:
             checkpointer.save_optimizer(optimizer, model, os.fspath(optimizer_path), scheduler=scheduler)
         if tokenizer is not None and tokenizer_path is not None:
             self._save_tokenizer(tokenizer, Path(os.fspath(tokenizer_path)))
+        if tokenizer is not None:
+            _wait_for_rank0()
 
     @staticmethod
     def _peft_mode(cfg: CheckpointingConfig, lora_enabled: bool, peft_config: Optional[PeftConfig]) -> bool:

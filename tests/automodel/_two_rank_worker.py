@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -24,6 +25,32 @@ from ckpt_core.automodel import (  # noqa: E402
     iter_saved_tensors,
     saved_safetensors_files,
 )
+
+
+# NeMo RL's whole CheckpointingConfig, as its config files spell it (its manager's keys too).
+NEMO_RL_CHECKPOINTING = {
+    "enabled": True,
+    "checkpoint_dir": "results/grpo",
+    "metric_name": "val:accuracy",
+    "higher_is_better": True,
+    "keep_top_k": 3,
+    "save_period": 10,
+    "checkpoint_must_save_by": None,
+    "model_save_format": "safetensors",
+    "save_consolidated": False,
+    "model_cache_dir": "",
+    "model_repo_id": "",
+    "is_peft": False,
+    "is_async": False,
+}
+
+
+class SlowTokenizer:
+    """Stands in for a Hugging Face tokenizer whose files take a while to write."""
+
+    def save_pretrained(self, directory: str) -> None:
+        time.sleep(1.5)
+        (Path(directory) / "tokenizer.json").write_text("{}")
 
 
 def main(rank: int, port: int, out: Path) -> None:
@@ -56,6 +83,16 @@ def main(rank: int, port: int, out: Path) -> None:
             loaded = full_state(fresh)
             result[f"load-{consolidated}"] = all(torch.equal(loaded[k], reference[k]) for k in reference)
         result["consolidated_files"] = [str(p) for p in saved_safetensors_files(out / "consolidated-True" / "weights")]
+        tokenizer_dir = out / "nemo-rl" / "tokenizer"
+        manager.save_checkpoint(
+            model,
+            str(out / "nemo-rl" / "weights"),
+            tokenizer=SlowTokenizer(),  # type: ignore[arg-type]
+            tokenizer_path=str(tokenizer_dir),
+            checkpointing_cfg=NEMO_RL_CHECKPOINTING,  # type: ignore[arg-type]
+        )
+        result["tokenizer_written_on_return"] = (tokenizer_dir / "tokenizer.json").exists()
+        result["nemo-rl-format"] = list(detect_checkpoint_format(str(out / "nemo-rl" / "weights")))
         (out / f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()

@@ -36,7 +36,9 @@ from ckpt_core.automodel import (  # noqa: E402
         ("/ckpt/run/model", "/ckpt/run"),
         ("/ckpt/run/model/", "/ckpt/run"),
         ("relative/policy/weights/model", "relative/policy"),
-        ("weights", "."),
+        ("weights", ""),
+        ("weights/model", ""),  # NeMo RL's _infer_checkpoint_root returns "" here too
+        ("model", ""),
     ],
 )
 def test_infer_checkpoint_root(weights_path: str, root: str) -> None:
@@ -136,3 +138,45 @@ def test_checkpointing_config_validation() -> None:
     for bad in (None, "safetensors", 3, ["model_save_format"]):
         with pytest.raises(TypeError, match="checkpointing_cfg"):
             CheckpointingConfig.coerce(bad)
+
+
+NEMO_RL_MAPPING = {
+    "enabled": True,
+    "checkpoint_dir": "results/grpo",
+    "metric_name": "val:reward",
+    "higher_is_better": True,
+    "save_period": 10,
+    "keep_top_k": 3,
+    "ft_keep_latest_k": None,
+    "ft_save_period": 100,
+    "checkpoint_must_save_by": None,
+    "save_optimizer": True,
+    "model_save_format": None,
+    "save_consolidated": True,
+    "model_cache_dir": "",
+    "model_repo_id": "",
+    "is_peft": False,
+    "is_async": False,
+}
+
+
+def test_nemo_rls_whole_checkpointing_config_is_taken() -> None:
+    cfg = CheckpointingConfig.coerce(NEMO_RL_MAPPING)
+    assert cfg == CheckpointingConfig(save_consolidated=True)  # the manager's keys are ignored
+    assert cfg.checkpointer_updates(is_peft=False)["model_save_format"] == "safetensors"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "error", "match"),
+    [
+        ("save_consolidated", "yes", TypeError, "save_consolidated must be a bool"),
+        ("model_save_format", "pickle", ValueError, "model_save_format"),
+        ("model_repo_id", 7, TypeError, "model_repo_id must be a str"),
+        ("dequantize_base_checkpoint", "no", TypeError, "dequantize_base_checkpoint must be a bool"),
+        ("is_async", True, ValueError, "is_async=True is not supported"),
+        ("keep_topk", 3, ValueError, r"Unknown CheckpointingConfig keys \['keep_topk'\]"),
+    ],
+)
+def test_the_keys_it_uses_are_still_checked(key: str, value: object, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        CheckpointingConfig.from_mapping({**NEMO_RL_MAPPING, key: value})

@@ -87,3 +87,11 @@ def test_streaming_uses_consolidated_output_and_refuses_rank_shards(results: lis
 def test_every_rank_loads_bit_exact(results: list[dict]) -> None:
     for r in results:
         assert r["load-True"] is True and r["load-False"] is True
+
+
+def test_nemo_rls_whole_config_saves_and_every_rank_waits_for_the_tokenizer(results: list[dict]) -> None:
+    """NeMo RL's checkpointing mapping (its manager's keys included) is taken as it is, and
+    rank 1 returns from save_checkpoint only once rank 0 has written the tokenizer."""
+    for r in results:
+        assert r["nemo-rl-format"] == ["safetensors", False]
+        assert r["tokenizer_written_on_return"] is True, f"rank {r['rank']} returned before the tokenizer was written"
