@@ -13,7 +13,8 @@ into warm memory. Three things keep that off a refit's critical path:
   pages) reuses it, already faulted in. A full pool makes room for a newly freed block by
   dropping its oldest ones. Memory use is also steadier than through the C
   allocator, whose heap kept a few MiB more or less from one refit to the next. The pool keeps at most ``CKPT_CORE_HOST_POOL_BYTES`` (default 1 GiB; 0 turns it off);
-  :func:`release_host_pool` empties it, and engines do so in ``finalize()``. A loader that
+  :func:`release_host_pool` empties it, and so does ``finalize()`` of an engine built with
+  ``release_after_refit=True``. A loader that
   drops each batch after loading it keeps only a few buckets' worth in the pool. A receiver
   that holds a whole refit larger than the limit pushes some blocks out at every refit, which
   the next refit faults in again: raise the limit above what it holds at once.

@@ -95,19 +95,21 @@ def test_the_pool_keeps_no_more_than_its_limit(monkeypatch: pytest.MonkeyPatch) 
     release_host_pool()
 
 
-def test_finalize_returns_pooled_memory() -> None:
+@pytest.mark.parametrize("release", [True, False], ids=["release_after_refit", "kept"])
+def test_finalize_returns_pooled_memory_if_asked(release: bool) -> None:
     from helpers.memory_transport import connected_pair, run_refit
 
     release_host_pool()
     weights = [("big", torch.randn(HUGE_PAGE_THRESHOLD // 2))]
-    policy, rollout = connected_pair(HUGE_PAGE_THRESHOLD, direct_chunks=True)
+    policy, rollout = connected_pair(HUGE_PAGE_THRESHOLD, direct_chunks=True, release_after_refit=release)
     outcome = run_refit(policy, rollout, lambda: iter(weights))
     assert outcome.receive_error is None and torch.equal(outcome.received[0][1], weights[0][1])
     del outcome
     assert pooled_bytes() > 0
     policy.finalize()
     rollout.finalize()
-    assert pooled_bytes() == 0
+    assert (pooled_bytes() == 0) is release
+    release_host_pool()
 
 
 def test_a_full_pool_keeps_the_most_recently_freed_blocks(monkeypatch: pytest.MonkeyPatch) -> None:

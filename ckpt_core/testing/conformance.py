@@ -185,6 +185,18 @@ class TransportConformance:
         finally:
             engine.finalize()
 
+    def test_takes_the_options_nemo_rl_passes(self, backend: str, engine_options: dict[str, Any], bucket_size: int) -> None:
+        """NeMo RL builds every plugin engine with ``release_after_refit`` (and may pass
+        ``shard_expert_weights``); an engine that refuses them cannot be used from NeMo RL.
+        ``BucketedEngine`` takes both: pass them on from your ``__init__``."""
+        for flag in (False, True):
+            options = {**engine_options, "release_after_refit": flag, "shard_expert_weights": flag}
+            engine = self._engine(backend, options, bucket_size)
+            try:
+                assert engine.shard_expert_weights is flag
+            finally:
+                engine.finalize()
+
     def test_finalize_is_idempotent(self, backend: str, engine_options: dict[str, Any], bucket_size: int) -> None:
         engine = self._engine(backend, engine_options, bucket_size)
         engine.finalize()

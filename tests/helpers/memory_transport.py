@@ -176,9 +176,22 @@ class MemoryEngine(BucketedEngine):
     )
 
     def __init__(
-        self, *, bucket_size: int, timeout_s: float = 20.0, checksum: bool = True, direct_chunks: bool = False
+        self,
+        *,
+        bucket_size: int,
+        timeout_s: float = 20.0,
+        checksum: bool = True,
+        direct_chunks: bool = False,
+        release_after_refit: bool = False,
+        shard_expert_weights: bool = False,
     ) -> None:
-        super().__init__(bucket_size=bucket_size, timeout_s=timeout_s, checksum=checksum)
+        super().__init__(
+            bucket_size=bucket_size,
+            timeout_s=timeout_s,
+            checksum=checksum,
+            release_after_refit=release_after_refit,
+            shard_expert_weights=shard_expert_weights,
+        )
         self.direct_chunks = direct_chunks
         self.link: MemoryLink | None = None
         self.sender: MemorySender | None = None

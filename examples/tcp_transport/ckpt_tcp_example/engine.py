@@ -116,7 +116,8 @@ class TcpExampleEngine(BucketedEngine):
 
     Options: ``bucket_size`` (bytes, via ``bucket_size_bytes``), ``host`` (the address this
     worker listens on and advertises; default ``127.0.0.1``, set the node's address across
-    machines), ``timeout_s`` (bound on every wait, default 300), ``checksum`` (default on).
+    machines), ``timeout_s`` (bound on every wait, default 300), ``checksum`` (default on),
+    and NeMo RL's ``release_after_refit`` and ``shard_expert_weights`` (see ``BucketedEngine``).
     """
 
     backend_name: ClassVar[str] = "tcp_example"
@@ -125,9 +126,22 @@ class TcpExampleEngine(BucketedEngine):
     )
 
     def __init__(
-        self, *, bucket_size: int, host: str = "127.0.0.1", timeout_s: float = 300.0, checksum: bool = True
+        self,
+        *,
+        bucket_size: int,
+        host: str = "127.0.0.1",
+        timeout_s: float = 300.0,
+        checksum: bool = True,
+        release_after_refit: bool = False,
+        shard_expert_weights: bool = False,
     ) -> None:
-        super().__init__(bucket_size=bucket_size, timeout_s=timeout_s, checksum=checksum)
+        super().__init__(
+            bucket_size=bucket_size,
+            timeout_s=timeout_s,
+            checksum=checksum,
+            release_after_refit=release_after_refit,
+            shard_expert_weights=shard_expert_weights,
+        )
         if not isinstance(host, str) or not host:
             raise EngineOptionError(f"TcpExampleEngine: host must be a non-empty address string, got {host!r}")
         self.host = host

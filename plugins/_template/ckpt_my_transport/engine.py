@@ -77,7 +77,9 @@ class MyReceiver(BucketReceiver):
 
 
 class MyTransportEngine(BucketedEngine):
-    """Options: ``bucket_size`` (bytes), ``timeout_s`` (bound on every wait), ``checksum``.
+    """Options: ``bucket_size`` (bytes), ``timeout_s`` (bound on every wait), ``checksum``,
+    and NeMo RL's ``release_after_refit`` and ``shard_expert_weights`` (``BucketedEngine``
+    gives them their meaning; NeMo RL passes the first to every engine it builds).
 
     Add your own options as keyword-only arguments with defaults, validated here with a clear
     ``EngineOptionError``; ckpt-core checks their names against this signature.
@@ -88,8 +90,22 @@ class MyTransportEngine(BucketedEngine):
         devices=("cpu",), topologies=("broadcast",), placements=("colocated",)
     )
 
-    def __init__(self, *, bucket_size: int, timeout_s: float = 300.0, checksum: bool = True) -> None:
-        super().__init__(bucket_size=bucket_size, timeout_s=timeout_s, checksum=checksum)
+    def __init__(
+        self,
+        *,
+        bucket_size: int,
+        timeout_s: float = 300.0,
+        checksum: bool = True,
+        release_after_refit: bool = False,
+        shard_expert_weights: bool = False,
+    ) -> None:
+        super().__init__(
+            bucket_size=bucket_size,
+            timeout_s=timeout_s,
+            checksum=checksum,
+            release_after_refit=release_after_refit,
+            shard_expert_weights=shard_expert_weights,
+        )
 
     def _prepare_transport(self) -> dict[str, Any]:
         # TODO: open what peers need to reach this worker (its role is not known yet) and
