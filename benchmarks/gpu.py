@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ckpt_core.synthetic import transformer_shapes
+from ckpt_core.bench.synthetic import transformer_shapes
 
 from .harness import Phase, run_phase, stderr_log
 from .methods import RefitMethod, describe_error

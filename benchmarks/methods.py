@@ -15,9 +15,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ckpt_core.coordinator import CallResult, RefitCoordinator, RefitFailedError
-from ckpt_core.launch.local import LocalProcessPool
-from ckpt_core.worker import refit_worker_specs
+from ckpt_core.orchestration.coordinator import CallResult, RefitCoordinator, RefitFailedError
+from ckpt_core.orchestration.local import LocalProcessPool
+from ckpt_core.orchestration.worker import refit_worker_specs
 
 from .weights import Payload
 

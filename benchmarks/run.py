@@ -31,7 +31,15 @@ import torch
 from .harness import CaseRecord, Phase, run_phase, stderr_log
 from .memory import reset_peak_rss
 from .methods import FloorMethod, MemcpyMethod, Method, NaiveMethod, RefitMethod
-from .report import PER_TENSOR_GROUP, SCHEMA, add_ratios, evaluate_targets, per_tensor_summary, render_markdown, summarize_case
+from .report import (
+    PER_TENSOR_GROUP,
+    SCHEMA,
+    add_ratios,
+    evaluate_targets,
+    per_tensor_summary,
+    render_markdown,
+    summarize_case,
+)
 from .units import format_size, parse_size, parse_sizes
 from .weights import Payload, small_payload, write_payload
 

@@ -1,4 +1,4 @@
-"""Worker services the benchmark runs in local processes (see :mod:`ckpt_core.launch.local`).
+"""Worker services the benchmark runs in local processes (see :mod:`ckpt_core.orchestration.local`).
 
 Every service reports when its side of a measurement started and ended as
 ``time.perf_counter()`` stamps: on Linux that is ``CLOCK_MONOTONIC``, one clock for every process
@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from ckpt_core.baselines import RawGlooWorker
-from ckpt_core.worker import RefitWorker
-from ckpt_core.workload import load_target
+from ckpt_core.bench.baselines import RawGlooWorker
+from ckpt_core.orchestration.worker import RefitWorker
+from ckpt_core.orchestration.workload import load_target
 
 from .memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
@@ -56,7 +56,7 @@ class _Measured:
 
 
 class BenchRefitWorker(RefitWorker, _Measured):
-    """A :class:`~ckpt_core.worker.RefitWorker` whose refit results also carry ``started_at``,
+    """A :class:`~ckpt_core.orchestration.worker.RefitWorker` whose refit results also carry ``started_at``,
     ``ended_at`` (this side's transfer, without digests) and the memory fields above.
 
     ``set_verify`` switches per-tensor digests, so a benchmark verifies its warm-up refit

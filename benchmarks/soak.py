@@ -33,9 +33,9 @@ from typing import Any, Protocol
 import torch
 
 from ckpt_core.cli import parse_size
-from ckpt_core.coordinator import RefitCoordinator
-from ckpt_core.launch.local import LocalProcessPool
-from ckpt_core.worker import refit_worker_specs
+from ckpt_core.orchestration.coordinator import RefitCoordinator
+from ckpt_core.orchestration.local import LocalProcessPool
+from ckpt_core.orchestration.worker import refit_worker_specs
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MIB = 1 << 20

@@ -1,5 +1,5 @@
 """Benchmark payloads, as weights factories (``"module:function"`` targets, see
-:mod:`ckpt_core.workload`).
+:mod:`ckpt_core.orchestration.workload`).
 
 The harness writes each transformer-shaped payload once (:func:`write_payload`), one file per
 tensor, into a directory on tmpfs. Every worker maps those files shared (:func:`mapped_weights`),
@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ckpt_core.dtypes import dtype_from_name, dtype_name
-from ckpt_core.synthetic import transformer_shapes
+from ckpt_core._internal.dtypes import dtype_from_name, dtype_name
+from ckpt_core.bench.synthetic import transformer_shapes
 
 MANIFEST = "manifest.json"
 Weights = tuple[tuple[str, torch.Tensor], ...]

@@ -14,41 +14,36 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "BackendCapabilities": "capabilities",
-    "CheckpointEngine": "base",
-    "RefitContext": "stats",
-    "RefitStats": "stats",
-    "TensorMeta": "base",
-    "backend_names": "registry",
-    "create_checkpoint_engine": "base",
-    "hookimpl": "hookspecs",
-    "list_backends": "registry",
-    "merge_weight_chunk_batches": "base",
-    "resolve_backend": "registry",
-    "split_weight_chunks": "base",
+    "BackendCapabilities": "ckpt_core.transport.capabilities",
+    "CheckpointEngine": "ckpt_core.contract",
+    "RefitContext": "ckpt_core.stats",
+    "RefitStats": "ckpt_core.stats",
+    "TensorMeta": "ckpt_core.contract",
+    "backend_names": "ckpt_core.registry",
+    "create_checkpoint_engine": "ckpt_core.registry",
+    "hookimpl": "ckpt_core.hookspecs",
+    "list_backends": "ckpt_core.registry",
+    "merge_weight_chunk_batches": "ckpt_core.chunking",
+    "resolve_backend": "ckpt_core.registry",
+    "split_weight_chunks": "ckpt_core.chunking",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from .base import (
-        CheckpointEngine,
-        TensorMeta,
-        create_checkpoint_engine,
-        merge_weight_chunk_batches,
-        split_weight_chunks,
-    )
-    from .capabilities import BackendCapabilities
-    from .hookspecs import hookimpl
-    from .registry import backend_names, list_backends, resolve_backend
-    from .stats import RefitContext, RefitStats
+    from ckpt_core.chunking import merge_weight_chunk_batches, split_weight_chunks
+    from ckpt_core.contract import CheckpointEngine, TensorMeta
+    from ckpt_core.hookspecs import hookimpl
+    from ckpt_core.registry import backend_names, create_checkpoint_engine, list_backends, resolve_backend
+    from ckpt_core.stats import RefitContext, RefitStats
+    from ckpt_core.transport.capabilities import BackendCapabilities
 
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'ckpt_core' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from .registry import list_backends
+    from ckpt_core.registry import list_backends
 
     infos = list_backends(details=True)
     if args.json:
@@ -120,7 +120,7 @@ def _table(rows: list[tuple[Any, ...]]) -> str:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench import BenchConfig, run_bench
+    from ckpt_core.bench.job import BenchConfig, run_bench
 
     if args.ray_address and args.launcher != "ray":
         _build_parser().error("--ray-address needs --launcher ray")

@@ -15,8 +15,8 @@ from importlib import metadata
 
 import pluggy
 
-from . import hookspecs
-from .stats import RefitContext, RefitStats, Role
+from ckpt_core import hookspecs
+from ckpt_core.stats import RefitContext, RefitStats, Role
 
 HOOKS_ENTRY_POINT_GROUP = "ckpt_core.hooks"
 DISABLE_AUTOLOAD_ENV = "CKPT_CORE_DISABLE_PLUGIN_AUTOLOAD"

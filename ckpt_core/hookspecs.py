@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pluggy
 
-from .stats import RefitContext, RefitStats
+from ckpt_core.stats import RefitContext, RefitStats
 
 hookspec = pluggy.HookspecMarker("ckpt_core")
 hookimpl = pluggy.HookimplMarker("ckpt_core")

@@ -21,9 +21,8 @@ from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
-from .base import CheckpointEngine
-from .capabilities import BackendCapabilities, declared_capabilities, unavailable_reason
-from .errors import (
+from ckpt_core.contract import CheckpointEngine
+from ckpt_core.errors import (
     BackendImportError,
     DuplicateBackendError,
     EngineOptionError,
@@ -31,6 +30,7 @@ from .errors import (
     NotAnEngineError,
     UnknownBackendError,
 )
+from ckpt_core.transport.capabilities import BackendCapabilities, declared_capabilities, unavailable_reason
 
 ENTRY_POINT_GROUP = "ckpt_core.backends"
 
@@ -278,3 +278,18 @@ def check_engine_kwargs(engine_class: type[CheckpointEngine], engine_kwargs: Any
         raise EngineOptionError(
             f"{engine_class.__name__} requires option(s) {', '.join(missing)} in engine_kwargs"
         )
+
+
+def create_checkpoint_engine(
+    backend: str,
+    *,
+    bucket_size_bytes: int,
+    engine_kwargs: dict[str, Any],
+) -> CheckpointEngine:
+    """Build the engine registered as ``backend`` (or given as ``"module:ClassName"``).
+
+    ``engine_kwargs`` are checked against the engine constructor's named parameters before it
+    is called; the engine receives ``bucket_size_bytes`` as ``bucket_size``. See
+    :func:`resolve_backend` for resolution and its errors.
+    """
+    return build_engine(backend, bucket_size_bytes=bucket_size_bytes, engine_kwargs=engine_kwargs)

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import ray
 import torch
 
-from ckpt_core.ray import RayRefitCoordinator, RefitActorMixin
+from ckpt_core.orchestration.ray import RayRefitCoordinator, RefitActorMixin
 
 MODEL = {
     "vocab_size": 128,

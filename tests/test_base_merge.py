@@ -8,9 +8,6 @@ from collections.abc import AsyncGenerator, Callable
 
 import pytest
 import torch
-
-from ckpt_core import TensorMeta, split_weight_chunks
-from ckpt_core.errors import ChunkStreamError
 from helpers.tensors import (
     Chunk,
     assert_same_tensor,
@@ -20,6 +17,9 @@ from helpers.tensors import (
     merge_all,
     random_tensor,
 )
+
+from ckpt_core import TensorMeta, split_weight_chunks
+from ckpt_core.errors import ChunkStreamError
 
 
 def chunks_of(weights: list[tuple[str, torch.Tensor]], bucket_size: int) -> list[Chunk]:

@@ -1,6 +1,6 @@
 """``split_weight_chunks``: the chunk layout contract, and split -> merge round trips.
 
-The layout rules checked by :func:`assert_layout` are the ones in ``ckpt_core.base``'s module
+The layout rules checked by :func:`assert_layout` are the ones in ``ckpt_core.chunking``'s module
 docstring; every round trip here also checks them, so a layout regression fails loudly even
 when the bytes still arrive.
 """
@@ -14,12 +14,6 @@ from collections.abc import Sequence
 import hypothesis.strategies as st
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-
-from ckpt_core import TensorMeta, split_weight_chunks
-from ckpt_core.base import split_weight_chunks_bounded
-from ckpt_core.dtypes import dtype_name, transferable_dtypes
-from ckpt_core.errors import UnsupportedTensorError
 from helpers.tensors import (
     Chunk,
     assert_same_weights,
@@ -29,6 +23,12 @@ from helpers.tensors import (
     merge_all,
     random_tensor,
 )
+from hypothesis import HealthCheck, given, settings
+
+from ckpt_core import TensorMeta, split_weight_chunks
+from ckpt_core._internal.dtypes import dtype_name, transferable_dtypes
+from ckpt_core.chunking import split_weight_chunks_bounded
+from ckpt_core.errors import UnsupportedTensorError
 
 ALL_DTYPES = transferable_dtypes()
 

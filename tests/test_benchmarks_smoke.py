@@ -19,6 +19,7 @@ from benchmarks.report import SCHEMA  # noqa: E402
 from benchmarks.run import _config, _parser, run, write_results  # noqa: E402
 from benchmarks.weights import write_payload  # noqa: E402
 
+
 def _log(message: str) -> None:
     print(message)
 

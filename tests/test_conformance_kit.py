@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_core.coordinator import RefitReport
 from ckpt_core.errors import LifecycleError
+from ckpt_core.orchestration.coordinator import RefitReport
 from ckpt_core.testing import ConformanceCluster, Shape
 from ckpt_core.testing.lifecycle import OUT_OF_ORDER_CASES, HungCallError, call_with_deadline, run_out_of_order
 

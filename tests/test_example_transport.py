@@ -15,13 +15,13 @@ import os
 import shutil
 import subprocess
 import sys
-import tomllib
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import tomllib
 
-from ckpt_core.engine import BucketedEngine
+from ckpt_core.transport.engine import BucketedEngine
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tcp_transport"

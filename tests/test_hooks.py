@@ -1,8 +1,8 @@
 """Observer hooks, and the refit pipeline they observe.
 
 * A hook object registered at run time sees every stage of real refits (both roles).
-* The shared pipeline (``ckpt_core.pipeline`` through ``BucketedEngine``), driven in-process
-  over ``helpers.memory_transport``: multi-bucket bit-exact transfer, per-bucket batches,
+* The shared pipeline (``ckpt_core._internal.pipeline`` through ``BucketedEngine``), driven in-process
+  over ``ckpt_core.testing.memory``: multi-bucket bit-exact transfer, per-bucket batches,
   statistics, and the failures a receiver and a sender must each see.
 * Hook plugins from the ``ckpt_core.hooks`` entry-point group, from a real installed
   distribution, in a subprocess: a broken one warns by name, a good one observes a refit,
@@ -18,15 +18,15 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.distributions import Distribution, install, run_python
+from helpers.tensors import assert_same_weights, group_into_buckets, random_tensor
 
 import ckpt_core
 from ckpt_core import split_weight_chunks
 from ckpt_core.errors import IntegrityError, RemoteRefitError, UnsupportedTensorError, WireFormatError
 from ckpt_core.hooks import plugin_manager
 from ckpt_core.stats import RefitContext, RefitStats
-from helpers.distributions import Distribution, install, run_python
-from helpers.memory_transport import MemoryEngine, RefitOutcome, connected_pair, run_refit
-from helpers.tensors import assert_same_weights, group_into_buckets, random_tensor
+from ckpt_core.testing.memory import MemoryEngine, RefitOutcome, connected_pair, run_refit
 
 BUCKET = 64
 
@@ -345,7 +345,7 @@ PROBE = """
     plugin_warnings = [str(w.message) for w in caught if issubclass(w.category, HookPluginWarning)]
     loaded = sorted(name for name, plugin in manager.list_name_plugin() if name in ("good", "broken"))
 
-    from helpers.memory_transport import connected_pair, run_refit
+    from ckpt_core.testing.memory import connected_pair, run_refit
     policy, rollout = connected_pair(64)
     outcome = run_refit(policy, rollout, lambda: iter([("w", torch.ones(40)), ("b", torch.zeros(3))]))
     policy.finalize(); rollout.finalize()

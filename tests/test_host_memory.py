@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from ckpt_core import host_memory
-from ckpt_core.host_memory import (
+from ckpt_core._internal import host_memory
+from ckpt_core._internal.host_memory import (
     HUGE_PAGE_THRESHOLD,
     empty_host,
     empty_host_storage,
@@ -97,7 +97,7 @@ def test_the_pool_keeps_no_more_than_its_limit(monkeypatch: pytest.MonkeyPatch) 
 
 @pytest.mark.parametrize("release", [True, False], ids=["release_after_refit", "kept"])
 def test_finalize_returns_pooled_memory_if_asked(release: bool) -> None:
-    from helpers.memory_transport import connected_pair, run_refit
+    from ckpt_core.testing.memory import connected_pair, run_refit
 
     release_host_pool()
     weights = [("big", torch.randn(HUGE_PAGE_THRESHOLD // 2))]

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from helpers.distributions import run_python
 
 PLUGINS = ("ckpt_gloo_cpu", "ckpt_nccl", "ckpt_cuda_ipc")
@@ -26,9 +25,9 @@ PROBE = """
     after_import = loaded()
     names = ckpt_core.backend_names()
     after_names = loaded()
-    import ckpt_core.base, ckpt_core.checksum, ckpt_core.distributed, ckpt_core.dtypes, ckpt_core.engine
-    import ckpt_core.errors, ckpt_core.hooks, ckpt_core.pipeline, ckpt_core.registry, ckpt_core.transport
-    import ckpt_core.wire
+    import ckpt_core.base, ckpt_core._internal.checksum, ckpt_core.transport.torch_distributed, ckpt_core._internal.dtypes, ckpt_core.transport.engine
+    import ckpt_core.errors, ckpt_core.hooks, ckpt_core._internal.pipeline, ckpt_core.registry, ckpt_core.transport.interfaces
+    import ckpt_core._internal.wire
     after_core_modules = loaded()
     ckpt_core.hooks.plugin_manager()
     after_hooks = loaded()

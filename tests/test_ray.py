@@ -24,9 +24,9 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 from ckpt_core import cli  # noqa: E402
-from ckpt_core.coordinator import RefitFailedError  # noqa: E402
 from ckpt_core.errors import EngineOptionError  # noqa: E402
-from ckpt_core.ray import RayRefitCoordinator, RayWorkerPool, RefitActor  # noqa: E402
+from ckpt_core.orchestration.coordinator import RefitFailedError  # noqa: E402
+from ckpt_core.orchestration.ray import RayRefitCoordinator, RayWorkerPool, RefitActor  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 Actor = ray.remote(num_cpus=0)(RefitActor)

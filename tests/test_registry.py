@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.distributions import Distribution, install, run_python
 
 from ckpt_core import create_checkpoint_engine, list_backends, resolve_backend
 from ckpt_core.errors import (
@@ -22,7 +23,6 @@ from ckpt_core.errors import (
     NotAnEngineError,
     UnknownBackendError,
 )
-from helpers.distributions import Distribution, install, run_python
 
 # --- third-party distributions, in a subprocess ----------------------------------------------
 
@@ -30,8 +30,8 @@ EXTERNAL = """
     from typing import ClassVar
 
     from ckpt_core.base import CheckpointEngine
-    from ckpt_core.capabilities import BackendCapabilities
-    from ckpt_core.engine import BucketedEngine
+    from ckpt_core.transport.capabilities import BackendCapabilities
+    from ckpt_core.transport.engine import BucketedEngine
 
 
     class ExternalEngine(BucketedEngine):
@@ -82,7 +82,7 @@ BROKEN = """
 """
 
 DUPLICATE = """
-    from ckpt_core.engine import BucketedEngine
+    from ckpt_core.transport.engine import BucketedEngine
 
 
     class DupEngine(BucketedEngine):
@@ -324,7 +324,7 @@ def test_module_class_name_targets() -> None:
         "ckpt_gloo_cpu.engine:GlooCpuCheckpointEngine", bucket_size_bytes=512, engine_kwargs={"topology": "paired"}
     )
     assert type(engine).__name__ == "GlooCpuCheckpointEngine" and engine.bucket_size == 512
-    engine = create_checkpoint_engine("helpers.memory_transport:MemoryEngine", bucket_size_bytes=64, engine_kwargs={})
+    engine = create_checkpoint_engine("ckpt_core.testing.memory:MemoryEngine", bucket_size_bytes=64, engine_kwargs={})
     assert type(engine).__name__ == "MemoryEngine"
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ckpt_core import TensorMeta, split_weight_chunks
-from ckpt_core.dtypes import dtype_name, transferable_dtypes
+from ckpt_core._internal.dtypes import dtype_name, transferable_dtypes
 from ckpt_core.errors import WireFormatError
 
 GOOD = {"name": "w", "shape": [3, 5], "dtype": "float32", "chunk_offset": 8, "chunk_size": 4, "offset": 16}

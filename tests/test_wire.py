@@ -1,4 +1,4 @@
-"""``ckpt_core.wire``: bucket headers round trip, and every malformed header is a
+"""``ckpt_core._internal.wire``: bucket headers round trip, and every malformed header is a
 ``WireFormatError`` (headers come from peers and are untrusted)."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.tensors import group_into_buckets, random_tensor
 
 from ckpt_core import TensorMeta, split_weight_chunks
-from ckpt_core.dtypes import transferable_dtypes
+from ckpt_core._internal.dtypes import transferable_dtypes
+from ckpt_core._internal.wire import FORMAT_VERSION, MAX_HEADER_BYTES, BucketHeader, decode_header, encode_header
 from ckpt_core.errors import WireFormatError
-from ckpt_core.wire import FORMAT_VERSION, MAX_HEADER_BYTES, BucketHeader, decode_header, encode_header
-from helpers.tensors import group_into_buckets, random_tensor
 
 BUCKET = 256
 

@@ -18,8 +18,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .cluster import ConformanceCluster, Shape
-    from .conformance import TransportConformance
+    from ckpt_core.testing.cluster import ConformanceCluster, Shape
+    from ckpt_core.testing.conformance import TransportConformance
 
 __all__ = ["ConformanceCluster", "Shape", "TransportConformance"]
 

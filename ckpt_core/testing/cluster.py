@@ -1,8 +1,8 @@
 """Real worker processes for conformance tests: one pool per backend and shape, many refits.
 
 A :class:`ConformanceCluster` starts ``num_policy + num_rollout`` worker processes
-(:class:`ckpt_core.launch.local.LocalProcessPool`) and drives them with
-:class:`ckpt_core.coordinator.RefitCoordinator`; every refit picks its own weights factory, so
+(:class:`ckpt_core.orchestration.local.LocalProcessPool`) and drives them with
+:class:`ckpt_core.orchestration.coordinator.RefitCoordinator`; every refit picks its own weights factory, so
 one pool serves a whole test class. On top of the coordinator's per-tensor digest check, each
 refit is checked for tensor order and for how every policy rank consumed its generator. After
 a failure the next :meth:`~ConformanceCluster.ensure_ready` starts fresh processes, so one
@@ -17,9 +17,9 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..coordinator import CallResult, RefitCoordinator, RefitFailedError, RefitReport
-from ..launch.local import LocalProcessPool
-from ..worker import refit_worker_specs
+from ckpt_core.orchestration.coordinator import CallResult, RefitCoordinator, RefitFailedError, RefitReport
+from ckpt_core.orchestration.local import LocalProcessPool
+from ckpt_core.orchestration.worker import refit_worker_specs
 
 PROBE_SERVICE = "ckpt_core.testing.services:ProbeWorker"
 WEIGHTS = "ckpt_core.testing.weights:"

@@ -36,15 +36,21 @@ from typing import Any, ClassVar
 
 import pytest
 
-from ..base import CheckpointEngine, create_checkpoint_engine
-from ..coordinator import RefitFailedError
-from ..engine import BucketedEngine
-from ..errors import EngineOptionError, LifecycleError, TransferError
-from ..registry import backend_names, check_engine_kwargs, list_backends, resolve_backend
-from . import plugin as kit_plugin
-from .cluster import ConformanceCluster, Shape, worker_environment
-from .lifecycle import OUT_OF_ORDER_CASES, OutOfOrderCase, run_out_of_order
-from .plugin import DEFAULT_BUCKET_SIZE
+from ckpt_core.contract import CheckpointEngine
+from ckpt_core.errors import EngineOptionError, LifecycleError, TransferError
+from ckpt_core.orchestration.coordinator import RefitFailedError
+from ckpt_core.registry import (
+    backend_names,
+    check_engine_kwargs,
+    create_checkpoint_engine,
+    list_backends,
+    resolve_backend,
+)
+from ckpt_core.testing import plugin as kit_plugin
+from ckpt_core.testing.cluster import ConformanceCluster, Shape, worker_environment
+from ckpt_core.testing.lifecycle import OUT_OF_ORDER_CASES, OutOfOrderCase, run_out_of_order
+from ckpt_core.testing.plugin import DEFAULT_BUCKET_SIZE
+from ckpt_core.transport.engine import BucketedEngine
 
 CLUSTER_FIXTURE = "conformance_cluster"
 

@@ -1,7 +1,7 @@
 """Out-of-order lifecycle calls on one engine in this process, each under a deadline.
 
 None of these sequences needs a peer: every one ends in a call the engine must refuse at once
-(``LifecycleError`` for engines built on :class:`ckpt_core.engine.BucketedEngine`; any
+(``LifecycleError`` for engines built on :class:`ckpt_core.transport.engine.BucketedEngine`; any
 exception for others), never by waiting for a peer that will not come.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..base import CheckpointEngine
+from ckpt_core.contract import CheckpointEngine
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Worker services of the conformance kit (``"ckpt_core.testing.services:ProbeWorker"``).
 
-:class:`ProbeWorker` is a :class:`ckpt_core.worker.RefitWorker` whose policy side watches the
+:class:`ProbeWorker` is a :class:`ckpt_core.orchestration.worker.RefitWorker` whose policy side watches the
 weights generator it hands to ``send_weights``: how many items the engine pulled, and whether
 it ran the generator to its end before ``send_weights`` returned. The seed contract needs both:
 a policy rank's generator may run collectives with the other ranks (gathering shards), so
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from ..worker import RefitWorker, peak_rss_bytes
-from ..workload import digests, load_target
+from ckpt_core.orchestration.worker import RefitWorker, peak_rss_bytes
+from ckpt_core.orchestration.workload import digests, load_target
 
 
 @dataclasses.dataclass

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..dtypes import dtype_name, transferable_dtypes
+from ckpt_core._internal.dtypes import dtype_name, transferable_dtypes
 
 Weights = Iterator[tuple[str, torch.Tensor]]
 

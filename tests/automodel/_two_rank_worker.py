@@ -26,7 +26,6 @@ from ckpt_core.automodel import (  # noqa: E402
     saved_safetensors_files,
 )
 
-
 # NeMo RL's whole CheckpointingConfig, as its config files spell it (its manager's keys too).
 NEMO_RL_CHECKPOINTING = {
     "enabled": True,

@@ -73,7 +73,7 @@ def assert_same_weights(
 
 def group_into_buckets(chunks: Iterable[Chunk]) -> list[list[Chunk]]:
     """Group a split stream by bucket: a chunk whose offset is below the previous chunk's end
-    opens a new bucket (the rule of ``ckpt_core.base``'s module docstring)."""
+    opens a new bucket (the rule of ``ckpt_core.chunking``'s module docstring)."""
     buckets: list[list[Chunk]] = []
     end: int | None = None
     for meta, chunk in chunks:

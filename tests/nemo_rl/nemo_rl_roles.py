@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
+from ckpt_core.orchestration.workload import digests
 from ckpt_core.testing.weights import every_dtype, rank_dependent, sized
-from ckpt_core.workload import digests
 
 VLLM_METHODS = (
     "init_checkpoint_engine",

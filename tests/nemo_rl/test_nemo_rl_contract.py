@@ -13,12 +13,18 @@ from typing import Any
 import pytest
 import torch
 
-from ckpt_core import CheckpointEngine, TensorMeta, create_checkpoint_engine, merge_weight_chunk_batches, split_weight_chunks
+from ckpt_core import (
+    CheckpointEngine,
+    TensorMeta,
+    create_checkpoint_engine,
+    merge_weight_chunk_batches,
+    split_weight_chunks,
+)
+from ckpt_core._internal.host_memory import empty_host, pooled_bytes, release_host_pool
 from ckpt_core.errors import EngineOptionError, InvalidArgumentError, LayoutUnavailableError, UnknownBackendError
-from ckpt_core.host_memory import empty_host, pooled_bytes, release_host_pool
+from ckpt_core.orchestration.workload import digests
 from ckpt_core.registry import check_engine_kwargs, resolve_backend
 from ckpt_core.testing.weights import every_dtype, sized
-from ckpt_core.workload import digests
 
 BACKENDS = ["gloo_cpu", "cuda_ipc", "nccl"]
 

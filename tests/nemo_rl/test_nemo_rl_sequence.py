@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from ckpt_core.coordinator import CallResult
-from ckpt_core.launch.local import LocalProcessPool
+from ckpt_core.orchestration.coordinator import CallResult
+from ckpt_core.orchestration.local import LocalProcessPool
 
 HERE = Path(__file__).resolve().parent
 SERVICE = {"service": "nemo_rl_roles:NemoRlWorker"}

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-
 from rel_team import Team
 
 TEAM_SIZE = 3  # one policy and two rollout ranks at most in any one test

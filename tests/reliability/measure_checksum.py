@@ -18,8 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ckpt_core.checksum import payload_checksum  # noqa: E402
 from rel_team import Team  # noqa: E402
+
+from ckpt_core._internal.checksum import payload_checksum  # noqa: E402
 
 MIB = 1 << 20
 

@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rel_inprocess import Pair, collect, concurrently
 
+from ckpt_core._internal.wire import FORMAT_VERSION, BucketHeader, decode_header, encode_header
 from ckpt_core.base import CheckpointEngine, TensorMeta, create_checkpoint_engine, merge_weight_chunk_batches
-from ckpt_core.coordinator import RefitCoordinator
 from ckpt_core.errors import (
     AuthenticationError,
     BackendImportError,
@@ -41,8 +42,7 @@ from ckpt_core.errors import (
     UnsupportedTensorError,
     WireFormatError,
 )
-from ckpt_core.wire import FORMAT_VERSION, BucketHeader, decode_header, encode_header
-from rel_inprocess import Pair, collect, concurrently
+from ckpt_core.orchestration.coordinator import RefitCoordinator
 
 BUCKET = 4096
 

@@ -10,10 +10,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ckpt_core.coordinator import CallResult, RefitFailedError
-from ckpt_core.testing.weights import slow
-from ckpt_core.workload import digests
 from rel_team import Team
+
+from ckpt_core.orchestration.coordinator import CallResult, RefitFailedError
+from ckpt_core.orchestration.workload import digests
+from ckpt_core.testing.weights import slow
 
 MARKER_WAIT_S = 120.0
 

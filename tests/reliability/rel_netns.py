@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ckpt_core.launch import local
+from ckpt_core.orchestration import local
 
 PREFIX = "ckrel"
 ADDRESSES = ("10.77.0.1", "10.77.0.2")
@@ -109,7 +109,7 @@ class _PrefixedWorker(local._Worker):
         to_child_r, self._to_child = os.pipe()
         self._from_child, from_child_w = os.pipe()
         self.process = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "ckpt_core.launch.worker_main", str(to_child_r), str(from_child_w)],
+            [*prefix, sys.executable, "-m", "ckpt_core.orchestration.worker_main", str(to_child_r), str(from_child_w)],
             pass_fds=(to_child_r, from_child_w),
             env=env,
             stdin=subprocess.DEVNULL,

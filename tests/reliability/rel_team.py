@@ -3,7 +3,7 @@
 Starting a Python process that imports torch costs several CPU-seconds on the 2-core CI
 machine, so the tests share a few :class:`~rel_worker.ReliabilityWorker` processes: each test
 configures the ones it needs (backend, role, rank, options) and builds a
-:class:`~ckpt_core.coordinator.RefitCoordinator` over them. A test that kills a process calls
+:class:`~ckpt_core.orchestration.coordinator.RefitCoordinator` over them. A test that kills a process calls
 :meth:`Team.replace` (a fresh process, started now); any process found dead is replaced before
 it is configured again.
 """
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ckpt_core.coordinator import CallResult, RefitCoordinator
-from ckpt_core.launch.local import LocalProcessPool
+from ckpt_core.orchestration.coordinator import CallResult, RefitCoordinator
+from ckpt_core.orchestration.local import LocalProcessPool
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
+from ckpt_core.orchestration.worker import RefitWorker
+from ckpt_core.orchestration.workload import load_target, tensor_digest
 from ckpt_core.stats import Role
-from ckpt_core.workload import load_target, tensor_digest
-from ckpt_core.worker import RefitWorker
 
 
 class ReliabilityWorker(RefitWorker):

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 import rel_bad_inputs
 from rel_bad_inputs import CASES, Case, check, run_case
 

@@ -23,19 +23,19 @@ from typing import Any
 import hypothesis.strategies as st
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
-
-from ckpt_core.base import TensorMeta, create_checkpoint_engine
-from ckpt_core.errors import PeerLostError, RemoteRefitError, TransferError, WireFormatError
-from ckpt_core.launch import protocol
-from ckpt_core.wire import BucketHeader, decode_header, encode_header
 from ckpt_cuda_ipc.buffers import HostSlots
 from ckpt_cuda_ipc.control import Channel, decode_json
 from ckpt_cuda_ipc.transport import IpcReceiver, IpcSender
+from hypothesis import HealthCheck, example, given, settings
 from rel_inprocess import Pair
 from rel_net import listening_sockets
 from rel_pickle_scan import FORBIDDEN_METHODS, production_modules, scan, scan_source
 from rel_team import REPO, Team
+
+from ckpt_core._internal.wire import BucketHeader, decode_header, encode_header
+from ckpt_core.base import TensorMeta, create_checkpoint_engine
+from ckpt_core.errors import PeerLostError, RemoteRefitError, TransferError, WireFormatError
+from ckpt_core.orchestration import protocol
 
 FUZZ = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 BUCKET = 4096
@@ -44,7 +44,7 @@ BUCKET = 4096
 
 ALLOWED: dict[str, str] = {}
 """``"path:line: what"`` -> why it is safe. Empty: there is no exception today. (Out of the
-scan's reach by design: Ray serializes the JSON text ``ckpt_core.ray`` hands it, inside Ray's
+scan's reach by design: Ray serializes the JSON text ``ckpt_core.orchestration.ray`` hands it, inside Ray's
 own trusted cluster channel; see docs/reliability.md.)"""
 
 

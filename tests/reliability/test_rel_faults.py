@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from ckpt_core.coordinator import RefitCoordinator, RefitFailedError
 from rel_faults import Striker, clear, failures_by_worker, read_trail, slow_source
 from rel_team import Team
+
+from ckpt_core.orchestration.coordinator import RefitCoordinator, RefitFailedError
 
 pytestmark = pytest.mark.slow
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from ckpt_core.coordinator import RefitFailedError
 from rel_faults import failures_by_worker
 from rel_team import Team
+
+from ckpt_core.orchestration.coordinator import RefitFailedError
 
 pytestmark = pytest.mark.slow
 

@@ -19,13 +19,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from ckpt_core.coordinator import RefitCoordinator, RefitFailedError
-from ckpt_core.worker import refit_worker_specs
 from rel_faults import MARKER_WAIT_S, failures_by_worker
 from rel_net import listening_sockets
 from rel_netns import NamespacedProcessPool, TwoHosts, unavailable_reason
 from rel_team import worker_env
+
+from ckpt_core.orchestration.coordinator import RefitCoordinator, RefitFailedError
+from ckpt_core.orchestration.worker import refit_worker_specs
 
 pytestmark = pytest.mark.slow
 

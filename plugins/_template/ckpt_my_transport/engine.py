@@ -14,9 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ckpt_core.capabilities import BackendCapabilities
-from ckpt_core.engine import BucketedEngine
-from ckpt_core.transport import BucketReceiver, BucketSender
+from ckpt_core.transport import BackendCapabilities, BucketedEngine, BucketReceiver, BucketSender
 
 
 class MySender(BucketSender):

@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from ckpt_core.coordinator import RefitCoordinator
-from ckpt_core.launch.local import LocalProcessPool
-from ckpt_core.worker import refit_worker_specs
+from ckpt_core.orchestration.coordinator import RefitCoordinator
+from ckpt_core.orchestration.local import LocalProcessPool
+from ckpt_core.orchestration.worker import refit_worker_specs
 
 
 def parse_size(text: str) -> int:
@@ -92,7 +92,7 @@ def measure(size: int, bucket: int, rollouts: int, checksum: bool, rounds: int, 
                 num_rollout=rollouts,
                 bucket_size=bucket,
                 engine_kwargs=options,
-                weights="ckpt_core.synthetic:transformer_weights",
+                weights="ckpt_core.bench.synthetic:transformer_weights",
                 weights_params={"size_bytes": size},
             )
             for spec in specs:

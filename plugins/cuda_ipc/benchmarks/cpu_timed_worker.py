@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ckpt_core.base import CheckpointEngine
-from ckpt_core.worker import RefitWorker
+from ckpt_core.contract import CheckpointEngine
+from ckpt_core.orchestration.worker import RefitWorker
 
 
 class _TimedEngine:

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ckpt_core.errors import PeerLostError, TransferError, TransferTimeoutError, WireFormatError
-from ckpt_core.wire import MAX_HEADER_BYTES
+from ckpt_core.transport import MAX_HEADER_BYTES
 
 _PREFIX = struct.Struct("!BI")
 MAX_FRAME_BYTES = MAX_HEADER_BYTES + (1 << 16)
@@ -45,7 +45,7 @@ class Kind(enum.IntEnum):
     CONTROL = 1
     """A JSON object with a ``"type"`` field (hello, welcome, ready, reject, error, bye)."""
     HEADER = 2
-    """A bucket header (``ckpt_core.wire`` bytes); its payload is already in the slot."""
+    """A bucket header (``ckpt_core._internal.wire`` bytes); its payload is already in the slot."""
     ABORT = 3
     """A bucket header that voids the refit; receivers do not release anything after it."""
     RELEASE = 4

@@ -26,10 +26,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from ckpt_core.capabilities import BackendCapabilities
-from ckpt_core.checksum import payload_checksum
-from ckpt_core.device_checksum import device_payload_checksum
-from ckpt_core.engine import BucketedEngine
 from ckpt_core.errors import (
     AuthenticationError,
     BackendUnavailableError,
@@ -40,8 +36,15 @@ from ckpt_core.errors import (
     TransferTimeoutError,
     WireFormatError,
 )
-from ckpt_core.pipeline import Checksum
-from ckpt_core.transport import BucketReceiver, BucketSender
+from ckpt_core.transport import (
+    BackendCapabilities,
+    BucketedEngine,
+    BucketReceiver,
+    BucketSender,
+    Checksum,
+    device_payload_checksum,
+    payload_checksum,
+)
 
 from .buffers import CudaSlots, HostSlots, import_cupy
 from .control import (
@@ -96,14 +99,14 @@ class CudaIpcCheckpointEngine(BucketedEngine):
       peer-capable one. Rollouts receive tensors on this device.
     * ``timeout_s``: bound on every wait (connecting, each header, each release), default 300.
     * ``checksum``: a digest of each bucket, computed by the policy and verified by every
-      rollout: xxh3-64 for host slots, ``ckpt_core.device_checksum`` (computed on the GPU) for
+      rollout: xxh3-64 for host slots, ``ckpt_core._internal.device_checksum`` (computed on the GPU) for
       CUDA slots. Default off, unlike the network transports: the bytes never cross a wire,
       and on a path as fast as memory one more read of every byte on each side is not cheap
       (measured in the plugin README).
     * ``socket_dir``: where the private control directory is made (default: the system temp
       directory); must be short enough for a Unix socket path.
     * ``release_after_refit``, ``shard_expert_weights``: NeMo RL's, see
-      :class:`ckpt_core.engine.BucketedEngine`. The slot buffers are shared with the peers of
+      :class:`ckpt_core.transport.engine.BucketedEngine`. The slot buffers are shared with the peers of
       one ``init``, so ``finalize()`` always unmaps them; ``release_after_refit`` also empties
       torch's CUDA cache on a CUDA device.
     """

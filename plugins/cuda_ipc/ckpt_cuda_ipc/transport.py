@@ -22,8 +22,7 @@ from typing import Protocol
 import torch
 
 from ckpt_core.errors import PeerLostError, RemoteRefitError, TransferError, WireFormatError
-from ckpt_core.transport import BucketReceiver, BucketSender
-from ckpt_core.wire import decode_header
+from ckpt_core.transport import BucketReceiver, BucketSender, decode_header
 
 from .control import Channel, Deadline, Kind, decode_json, lost, timed_out, wait_readable
 

@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from ckpt_core.base import tensor_bytes
-from ckpt_core.coordinator import CallResult, RefitCoordinator
-from ckpt_core.launch.local import LocalProcessPool
+from ckpt_core.chunking import tensor_bytes
+from ckpt_core.orchestration.coordinator import CallResult, RefitCoordinator
+from ckpt_core.orchestration.local import LocalProcessPool
+from ckpt_core.orchestration.worker import RefitWorker
 from ckpt_core.testing.weights import every_dtype
-from ckpt_core.worker import RefitWorker
 
 HERE = Path(__file__).resolve().parent
 SLOT_FILE = "memfd:ckpt-cuda-ipc-slots"

@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 import torch
+from ckpt_cuda_ipc import CudaIpcCheckpointEngine
+from ckpt_cuda_ipc.control import Kind, Listener, encode_json, sweep_stale
 
 import ckpt_core
 from ckpt_core.errors import (
@@ -32,8 +34,6 @@ from ckpt_core.errors import (
     TransferTimeoutError,
 )
 from ckpt_core.registry import list_backends
-from ckpt_cuda_ipc import CudaIpcCheckpointEngine
-from ckpt_cuda_ipc.control import Kind, Listener, encode_json, sweep_stale
 
 BUCKET = 4096
 
@@ -172,7 +172,7 @@ def test_bad_options_are_refused_by_name(options: dict[str, Any], match: str) ->
 
 
 def test_checksum_defaults_off_and_is_the_host_one_when_on() -> None:
-    from ckpt_core.checksum import payload_checksum
+    from ckpt_core._internal.checksum import payload_checksum
 
     assert make()._payload_checksum() is None
     assert make(checksum=True)._payload_checksum() is payload_checksum

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import torch
-
-from ckpt_core.launch.local import LocalProcessPool
-from ckpt_core.worker import refit_worker_specs
 from cuda_ipc_helpers import coordinator_for, env_with_helpers
+
+from ckpt_core.orchestration.local import LocalProcessPool
+from ckpt_core.orchestration.worker import refit_worker_specs
 
 pytestmark = [
     pytest.mark.gpu,

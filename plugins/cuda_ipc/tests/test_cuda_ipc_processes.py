@@ -17,11 +17,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
-from ckpt_core.coordinator import RefitCoordinator, RefitFailedError
-from ckpt_core.launch.local import LocalProcessPool
-from ckpt_core.worker import refit_worker_specs
 from cuda_ipc_helpers import coordinator_for, descriptors, slot_mappings, transport_descriptors
+
+from ckpt_core.orchestration.coordinator import RefitCoordinator, RefitFailedError
+from ckpt_core.orchestration.local import LocalProcessPool
+from ckpt_core.orchestration.worker import refit_worker_specs
 
 BUCKET = 8192
 WEIGHTS = "ckpt_core.testing.weights:"

@@ -6,9 +6,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from ckpt_core.capabilities import BackendCapabilities
-from ckpt_core.distributed import DistributedEngine
 from ckpt_core.errors import EngineOptionError
+from ckpt_core.transport import BackendCapabilities, DistributedEngine
 
 
 class GlooCpuCheckpointEngine(DistributedEngine):
@@ -19,7 +18,7 @@ class GlooCpuCheckpointEngine(DistributedEngine):
     (``"broadcast"`` | ``"paired"``), ``host`` (address to bind and advertise, default
     ``127.0.0.1``), ``timeout_s`` (every wait, default 300), ``checksum`` (default off:
     measured, not cheap), ``auth_token``, ``release_after_refit``, ``shard_expert_weights``.
-    See :class:`ckpt_core.distributed.DistributedEngine`.
+    See :class:`ckpt_core.transport.torch_distributed.DistributedEngine`.
     """
 
     backend_name: ClassVar[str] = "gloo_cpu"

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ckpt_core.worker import RefitWorker
+from ckpt_core.orchestration.worker import RefitWorker
 
 
 class DefaultGroupWorker(RefitWorker):

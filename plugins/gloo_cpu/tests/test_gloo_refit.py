@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_core.coordinator import RefitCoordinator, RefitFailedError
-from ckpt_core.distributed import HEADER_FRAME_BYTES
-from ckpt_core.launch.local import LocalProcessPool
-from ckpt_core.worker import refit_worker_specs
+from ckpt_core.orchestration.coordinator import RefitCoordinator, RefitFailedError
+from ckpt_core.orchestration.local import LocalProcessPool
+from ckpt_core.orchestration.worker import refit_worker_specs
+from ckpt_core.transport.torch_distributed import HEADER_FRAME_BYTES
 
 BUCKET = 64 << 10  # small, so every case spans several buckets
 W = "ckpt_core.testing.weights:"

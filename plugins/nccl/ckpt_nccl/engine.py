@@ -2,7 +2,7 @@
 
 Everything but two questions is ckpt-core's: the bucket pipeline, header format, topologies,
 rendezvous store, Gloo control group for headers, lifecycle and option semantics are those
-of :class:`ckpt_core.distributed.DistributedEngine` (the ``gloo_cpu`` backend runs the same
+of :class:`ckpt_core.transport.torch_distributed.DistributedEngine` (the ``gloo_cpu`` backend runs the same
 code on the host). This module answers how peers meet (a ``ProcessGroupNCCL`` built on the
 link's prefixed store, each member on its own GPU) and how one buffer moves (an NCCL
 broadcast from the link's sender, ordered after the sender's device work).
@@ -14,12 +14,17 @@ from typing import Any, ClassVar
 
 import torch
 
-from ckpt_core.capabilities import BackendCapabilities
-from ckpt_core.device_checksum import device_payload_checksum
-from ckpt_core.distributed import DistributedEngine, DistributedSender, Link
 from ckpt_core.errors import BackendUnavailableError
-from ckpt_core.pipeline import Checksum
-from ckpt_core.transport import BucketReceiver, BucketSender
+from ckpt_core.transport import (
+    BackendCapabilities,
+    BucketReceiver,
+    BucketSender,
+    Checksum,
+    DistributedEngine,
+    DistributedSender,
+    Link,
+    device_payload_checksum,
+)
 
 from .cuda import CudaPlatform, PackStream, Platform
 from .options import check_options
@@ -36,10 +41,10 @@ class NcclCheckpointEngine(DistributedEngine):
     for the current CUDA device, or ``"cuda:N"``), ``release_after_refit`` (``finalize()`` also
     returns the freed buffer memory from torch's cache to the device, for an inference engine
     that sizes its KV cache from free memory; default off), ``shard_expert_weights`` (see
-    :class:`~ckpt_core.engine.BucketedEngine`), ``auth_token`` (shared secret checked at
-    rendezvous, see :mod:`ckpt_core.auth`).
+    :class:`~ckpt_core.transport.engine.BucketedEngine`), ``auth_token`` (shared secret checked at
+    rendezvous, see :mod:`ckpt_core._internal.auth`).
 
-    Checksums are :func:`ckpt_core.device_checksum.device_payload_checksum` (computed on the
+    Checksums are :func:`ckpt_core._internal.device_checksum.device_payload_checksum` (computed on the
     GPU), not the core's host-memory xxh3.
     """
 

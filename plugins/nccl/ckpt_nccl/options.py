@@ -13,9 +13,8 @@ from typing import Any
 
 import torch
 
-from ckpt_core.distributed import TOPOLOGIES
-from ckpt_core.engine import check_bool, check_choice, check_positive_number
 from ckpt_core.errors import EngineOptionError
+from ckpt_core.transport import TOPOLOGIES, check_bool, check_choice, check_positive_number
 
 _CUDA_DEVICE = re.compile(r"cuda(?::(\d+))?")
 
@@ -73,7 +72,7 @@ def check_options(
 ) -> NcclOptions:
     """Validate every option; raises ``EngineOptionError`` naming the first bad one.
 
-    ``auth_token`` is only checked here (the core keeps it; see :mod:`ckpt_core.auth`)."""
+    ``auth_token`` is only checked here (the core keeps it; see :mod:`ckpt_core._internal.auth`)."""
     if auth_token is not None and (not isinstance(auth_token, str) or not auth_token):
         raise EngineOptionError(f"{owner}: auth_token must be a non-empty string or None")
     if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:

@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 
-from ckpt_core.distributed import DistributedSender, Link
 from ckpt_core.errors import EngineOptionError, WireFormatError
+from ckpt_core.transport import DistributedSender, Link
 
 from .cuda import PackStream
+
 
 class PayloadGroup:
     """A link's payload group in which every payload is a broadcast from the sender.

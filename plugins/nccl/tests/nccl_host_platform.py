@@ -16,7 +16,6 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-
 from ckpt_nccl.cuda import PackStream, Platform
 from ckpt_nccl.engine import NcclCheckpointEngine
 

@@ -1,11 +1,11 @@
-"""ckpt_core.device_checksum on the host: deterministic, and it notices the faults it claims to."""
+"""ckpt_core._internal.device_checksum on the host: deterministic, and it notices the faults it claims to."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ckpt_core.device_checksum import ROW_WORDS, device_payload_checksum
+from ckpt_core._internal.device_checksum import ROW_WORDS, device_payload_checksum
 
 ROW_BYTES = ROW_WORDS * 8
 

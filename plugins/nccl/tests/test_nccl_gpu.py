@@ -16,14 +16,15 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-
-from ckpt_core.base import TensorMeta, split_weight_chunks, tensor_bytes
-from ckpt_core.device_checksum import device_payload_checksum
-from ckpt_core.errors import EngineOptionError
-from ckpt_core.testing.weights import every_dtype
 from ckpt_nccl import NcclCheckpointEngine
 from ckpt_nccl.cuda import CudaPackStream, CudaPlatform
 from ckpt_nccl.transport import NcclSender, PayloadGroup
+
+from ckpt_core._internal.device_checksum import device_payload_checksum
+from ckpt_core.chunking import split_weight_chunks, tensor_bytes
+from ckpt_core.contract import TensorMeta
+from ckpt_core.errors import EngineOptionError
+from ckpt_core.testing.weights import every_dtype
 
 REASON = CudaPlatform().unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"needs CUDA and NCCL: {REASON}")]
@@ -86,9 +87,9 @@ def test_the_sender_pipeline_packs_checksums_and_sends_into_a_one_rank_link():
     """send_refit through NcclSender into a one-member link: packing, sending straight from a
     tensor, the device checksum on the pack stream and the NCCL broadcast under it all run;
     every bucket's bytes are where the chunk layout says."""
-    from ckpt_core.distributed import Link
+    from ckpt_core._internal.pipeline import direct_min_bytes, send_refit
     from ckpt_core.hooks import RefitNotifier
-    from ckpt_core.pipeline import direct_min_bytes, send_refit
+    from ckpt_core.transport.torch_distributed import Link
 
     device = torch.device("cuda", 0)
     bucket_size = 1 << 16

@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
+from nccl_host_platform import HostNcclEngine
 
 from ckpt_core.errors import EngineOptionError
 from ckpt_core.testing import Shape, TransportConformance
-from nccl_host_platform import HostNcclEngine
 
 
 class TestNcclOnHostConformance(TransportConformance):

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from ckpt_core.device_checksum import device_payload_checksum
-
 import pytest
 import torch
-
-from ckpt_core import create_checkpoint_engine, list_backends
-from ckpt_core.errors import BackendUnavailableError, EngineOptionError
-from ckpt_core.registry import check_engine_kwargs
 from ckpt_nccl import NcclCheckpointEngine
 from ckpt_nccl.cuda import CudaPlatform
 from ckpt_nccl.options import check_options, parse_device
 from nccl_host_platform import HostNcclEngine
+
+from ckpt_core import create_checkpoint_engine, list_backends
+from ckpt_core._internal.device_checksum import device_payload_checksum
+from ckpt_core.errors import BackendUnavailableError, EngineOptionError
+from ckpt_core.registry import check_engine_kwargs
 
 GOOD = dict(
     bucket_size=1 << 20,

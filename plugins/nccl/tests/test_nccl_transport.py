@@ -8,9 +8,9 @@ import datetime
 import pytest
 import torch
 import torch.distributed as dist
+from ckpt_nccl.transport import PayloadGroup, check_distinct_gpus, link_members
 
 from ckpt_core.errors import EngineOptionError, WireFormatError
-from ckpt_nccl.transport import PayloadGroup, check_distinct_gpus, link_members
 
 
 def _solo_group() -> PayloadGroup:

@@ -1,8 +1,8 @@
 """``RefitCoordinator``: the refit lifecycle over P policy and R rollout workers.
 
 The coordinator knows the lifecycle, not how workers run: it talks to a ``WorkerPool``
-(local subprocesses in :mod:`ckpt_core.launch.local`, Ray actors in :mod:`ckpt_core.ray`)
-whose workers host :class:`ckpt_core.worker.RefitWorker` objects. Workers ``0..P-1`` are the
+(local subprocesses in :mod:`ckpt_core.orchestration.local`, Ray actors in :mod:`ckpt_core.orchestration.ray`)
+whose workers host :class:`ckpt_core.orchestration.worker.RefitWorker` objects. Workers ``0..P-1`` are the
 policy ranks, ``P..P+R-1`` the rollout ranks.
 
 A refit is complete only when every rollout rank received every tensor (and, with
@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from .errors import InvalidArgumentError, LifecycleError, TransferError
+from ckpt_core.errors import InvalidArgumentError, LifecycleError, TransferError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +136,7 @@ class RefitCoordinator:
         """One refit on every worker at once; raises ``RefitFailedError`` unless all succeeded.
 
         ``weights``/``weights_params`` replace the policy workers' weights factory for this
-        refit (a ``"module:function"`` target, see :mod:`ckpt_core.workload`).
+        refit (a ``"module:function"`` target, see :mod:`ckpt_core.orchestration.workload`).
         """
         if not self._ready:
             raise LifecycleError("call setup() (again, after a failure: recover()) before refit()")

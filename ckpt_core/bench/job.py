@@ -12,9 +12,9 @@ import statistics
 from collections.abc import Sequence
 from typing import Any, ContextManager
 
-from .coordinator import RefitCoordinator, WorkerPool
-from .launch.local import LocalProcessPool
-from .worker import refit_worker_specs
+from ckpt_core.orchestration.coordinator import RefitCoordinator, WorkerPool
+from ckpt_core.orchestration.local import LocalProcessPool
+from ckpt_core.orchestration.worker import refit_worker_specs
 
 _STAT_FIELDS = ("seconds", "pack_seconds", "transfer_seconds", "unpack_seconds", "checksum_seconds")
 
@@ -51,9 +51,9 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
         raise ValueError(f"refits must be >= 1, got {config.refits}")
     params: dict[str, Any]
     if config.model:
-        weights, params = "ckpt_core.synthetic:safetensors_weights", {"path": config.model}
+        weights, params = "ckpt_core.bench.synthetic:safetensors_weights", {"path": config.model}
     else:
-        weights, params = "ckpt_core.synthetic:transformer_weights", {"size_bytes": config.size_bytes}
+        weights, params = "ckpt_core.bench.synthetic:transformer_weights", {"size_bytes": config.size_bytes}
     specs, labels = refit_worker_specs(
         backend=config.backend,
         num_policy=config.num_policy,
@@ -64,7 +64,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
         weights_params=params,
     )
     if config.progress:
-        specs[config.num_policy]["hook_plugins"] = ["ckpt_core.progress:ProgressBar"]
+        specs[config.num_policy]["hook_plugins"] = ["ckpt_core.bench.progress:ProgressBar"]
     with _refit_pool(config, specs, labels) as pool:
         coordinator = RefitCoordinator(
             pool,
@@ -102,7 +102,7 @@ def _refit_pool(
     config: BenchConfig, specs: Sequence[dict[str, Any]], labels: Sequence[str]
 ) -> ContextManager[WorkerPool]:
     if config.launcher == "ray":
-        from .ray import ray_service_pool
+        from ckpt_core.orchestration.ray import ray_service_pool
 
         return ray_service_pool(specs, labels, address=config.ray_address)
     if config.launcher != "local":
@@ -126,7 +126,7 @@ def measure_gloo_floor(nbytes: int, topology: str, num_rollout: int, refits: int
     """Median GB/s of raw Gloo moving ``nbytes`` as one tensor (after one warm-up), to every
     receiver by broadcast, or from one sender to one receiver for ``paired``."""
     size = num_rollout + 1 if topology == "broadcast" else 2
-    specs = [{"service": "ckpt_core.baselines:RawGlooWorker", "rank": r, "size": size} for r in range(size)]
+    specs = [{"service": "ckpt_core.bench.baselines:RawGlooWorker", "rank": r, "size": size} for r in range(size)]
     labels = ["raw sender"] + [f"raw receiver {r}" for r in range(1, size)]
     with LocalProcessPool(specs, labels=labels) as pool:
         coordinator_calls = pool.call([(r, "prepare", {}) for r in range(size)], timeout_s)
@@ -151,6 +151,6 @@ def measure_gloo_floor(nbytes: int, topology: str, num_rollout: int, refits: int
 def _raise_failures(step: str, results: list[Any]) -> None:
     failed = [r for r in results if not r.ok]
     if failed:
-        from .coordinator import RefitFailedError
+        from ckpt_core.orchestration.coordinator import RefitFailedError
 
         raise RefitFailedError(step, failed)

@@ -1,7 +1,7 @@
 """Weights factories for tests and benchmarks: a transformer-shaped state dict, and the
 tensors of a real safetensors checkpoint streamed lazily.
 
-Both are ``"module:function"`` targets for :mod:`ckpt_core.workload`.
+Both are ``"module:function"`` targets for :mod:`ckpt_core.orchestration.workload`.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def safetensors_files(path: str | Path) -> list[Path]:
     DCP checkpoint, shards that split tensors) are those of
     :func:`ckpt_core.automodel.saved_safetensors_files`.
     """
-    from .automodel.layout import saved_safetensors_files
+    from ckpt_core.automodel.layout import saved_safetensors_files
 
     root = Path(path)
     if root.is_file():

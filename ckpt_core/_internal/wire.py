@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from .base import TensorMeta, tensor_geometry
-from .dtypes import dtype_name
-from .errors import WireFormatError
+from ckpt_core._internal.dtypes import dtype_name
+from ckpt_core.contract import TensorMeta, checked_meta, tensor_geometry
+from ckpt_core.errors import WireFormatError
 
 FORMAT_VERSION = 3
 """Raised whenever a byte layout between peers changes (this header, or a transport's framing:
@@ -36,8 +36,8 @@ class BucketHeader:
 
     ``payload_nbytes`` bytes of the bucket buffer carry packed data; a chunk's ``offset``
     places it inside them, or is ``None`` for a direct chunk, which travels as a message of its
-    own after the packed payload (see :mod:`ckpt_core.transport`). ``last`` marks the refit's final bucket. ``checksum`` is the digest of the packed
-    payload and the direct chunks (see ``ckpt_core.pipeline.bucket_digest``), or ``None`` when
+    own after the packed payload (see :mod:`ckpt_core.transport.interfaces`). ``last`` marks the refit's final bucket. ``checksum`` is the digest of the packed
+    payload and the direct chunks (see ``ckpt_core._internal.pipeline.bucket_digest``), or ``None`` when
     the sender has checksums off. ``abort`` carries the sender's error message
     when it gave up on the refit; such a header has no chunks and no payload.
     """
@@ -128,7 +128,7 @@ def _decode_chunks(doc: dict[str, Any], payload_nbytes: int, bucket_size: int) -
             geometry = tensor_geometry(name, shape, dtype)
             if key is not None:
                 geometries[key] = geometry
-        meta = TensorMeta.checked_chunk(name, *geometry, chunk_offset, chunk_size, offset)
+        meta = checked_meta(name, *geometry, chunk_offset, chunk_size, offset)
         if offset is None:
             direct_nbytes += chunk_size
             if chunk_size == 0 or direct_nbytes > bucket_size:

@@ -1,6 +1,6 @@
 """The transport floor: raw ``torch.distributed`` Gloo moving the same bytes as one tensor.
 
-``RawGlooWorker`` is a worker service (like :class:`ckpt_core.worker.RefitWorker`) for the
+``RawGlooWorker`` is a worker service (like :class:`ckpt_core.orchestration.worker.RefitWorker`) for the
 local launcher: worker 0 sends, workers 1..R receive, by ``send``/``recv`` per pair
 (``paired``) or one ``broadcast`` (``broadcast``). Benchmarks run it beside a refit, in the
 same run, so their ratio is meaningful on a noisy machine.
@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .distributed import gloo_group
-from .worker import peak_rss_bytes
+from ckpt_core.orchestration.worker import peak_rss_bytes
+from ckpt_core.transport.torch_distributed import gloo_group
 
 
 class RawGlooWorker:

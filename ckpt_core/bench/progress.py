@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 import time
 
-from .hookspecs import hookimpl
-from .stats import RefitContext, RefitStats
+from ckpt_core.hookspecs import hookimpl
+from ckpt_core.stats import RefitContext, RefitStats
 
 
 class ProgressBar:

@@ -3,9 +3,9 @@
 A transport subclasses it and answers only how peers meet and how one buffer moves:
 
 * ``_prepare_transport()`` -> extra JSON-compatible metadata for this worker (its address...);
-* ``_connect_policy(...)`` -> a :class:`~ckpt_core.transport.BucketSender`, or ``None`` for a
+* ``_connect_policy(...)`` -> a :class:`~ckpt_core.transport.interfaces.BucketSender`, or ``None`` for a
   policy rank that has no receiver in the chosen topology (it drains its weights);
-* ``_connect_rollout(...)`` -> a :class:`~ckpt_core.transport.BucketReceiver`;
+* ``_connect_rollout(...)`` -> a :class:`~ckpt_core.transport.interfaces.BucketReceiver`;
 * ``_release_transport()`` -> free what the three above acquired.
 
 This class owns the rest: option and metadata validation, the lifecycle state machine (clear
@@ -17,28 +17,28 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import math
 import uuid
 from collections.abc import AsyncGenerator, Generator, Iterator
 from typing import Any, ClassVar
 
 import torch
 
-from .base import CheckpointEngine
-from .checksum import payload_checksum
-from .errors import (
+from ckpt_core._internal.checksum import payload_checksum
+from ckpt_core._internal.host_memory import release_host_pool
+from ckpt_core._internal.pipeline import Checksum, receive_refit, send_refit
+from ckpt_core._internal.wire import FORMAT_VERSION
+from ckpt_core.contract import CheckpointEngine
+from ckpt_core.errors import (
     EngineOptionError,
     InvalidArgumentError,
     LayoutUnavailableError,
     LifecycleError,
     WireFormatError,
 )
-from .hooks import RefitNotifier
-from .host_memory import release_host_pool
-from .pipeline import Checksum, receive_refit, send_refit
-from .stats import RefitStats, Role
-from .transport import BucketReceiver, BucketSender
-from .wire import FORMAT_VERSION
+from ckpt_core.hooks import RefitNotifier
+from ckpt_core.stats import RefitStats, Role
+from ckpt_core.transport.interfaces import BucketReceiver, BucketSender
+from ckpt_core.transport.options import check_bool, check_positive_number
 
 
 class _State(enum.Enum):
@@ -47,25 +47,6 @@ class _State(enum.Enum):
     POLICY = "initialized as a policy worker"
     ROLLOUT = "initialized as a rollout worker"
     FAILED = "failed (a refit failed: call finalize(), then prepare() and init again)"
-
-
-def check_positive_number(owner: str, option: str, value: Any) -> float:
-    """``value`` as a finite float > 0, else ``EngineOptionError``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise EngineOptionError(f"{owner}: {option} must be a finite number > 0, got {value!r}")
-    return float(value)
-
-
-def check_choice(owner: str, option: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise EngineOptionError(f"{owner}: {option} must be one of {', '.join(map(repr, choices))}, got {value!r}")
-    return value
-
-
-def check_bool(owner: str, option: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise EngineOptionError(f"{owner}: {option} must be True or False, got {value!r}")
-    return value
 
 
 class BucketedEngine(CheckpointEngine):

@@ -10,11 +10,11 @@ Install with ``pip install 'ckpt-core[ray]'``; importing ``ckpt_core`` never imp
   benchmarks and tests (its policy side sends a ``"module:function"`` weights factory).
 * **The driver** builds a :class:`RayRefitCoordinator` from the actor handles and a config
   mapping, then calls ``setup()``, ``refit()`` after every training step, and ``finalize()``.
-  It *is* a :class:`~ckpt_core.coordinator.RefitCoordinator` over a :class:`RayWorkerPool`, so
+  It *is* a :class:`~ckpt_core.orchestration.coordinator.RefitCoordinator` over a :class:`RayWorkerPool`, so
   the lifecycle, its checks and its errors are the local launcher's.
 
 Every call between driver and actors is one JSON text in, one JSON text out (the local
-launcher's protocol, :mod:`ckpt_core.launch.protocol`); no Python object is pickled for a
+launcher's protocol, :mod:`ckpt_core.orchestration.protocol`); no Python object is pickled for a
 refit. Tensors move only through the engine's transport.
 
 Engines advertise the address of the actor's node (``ray.util.get_node_ip_address()``), not
@@ -40,17 +40,17 @@ try:
     import ray.exceptions
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        f"ckpt_core.ray needs Ray ({exc}); install it with: pip install 'ckpt-core[ray]'"
+        f"ckpt_core.orchestration.ray needs Ray ({exc}); install it with: pip install 'ckpt-core[ray]'"
     ) from exc
 
 import torch
 
-from .coordinator import CallResult, RefitCoordinator, RefitFailedError
-from .errors import EngineOptionError, LifecycleError
-from .launch.protocol import decode, encode, error_reply
-from .registry import resolve_backend
-from .worker import RefitWorker
-from .workload import WeightsFactory
+from ckpt_core.errors import EngineOptionError, LifecycleError
+from ckpt_core.orchestration.coordinator import CallResult, RefitCoordinator, RefitFailedError
+from ckpt_core.orchestration.protocol import decode, encode, error_reply
+from ckpt_core.orchestration.worker import RefitWorker
+from ckpt_core.orchestration.workload import WeightsFactory
+from ckpt_core.registry import resolve_backend
 
 __all__ = [
     "RayRefitConfig",
@@ -177,7 +177,7 @@ class RefitActorMixin:
 
     def ckpt_call(self, request: str) -> str:
         """Run one coordinator call: ``{"method": ..., "kwargs": {...}}`` as JSON text in, the
-        reply of :mod:`ckpt_core.launch.protocol` as JSON text out; errors come back in the reply."""
+        reply of :mod:`ckpt_core.orchestration.protocol` as JSON text out; errors come back in the reply."""
         try:
             message = decode(request.encode())
             method, kwargs = message.get("method"), dict(message.get("kwargs") or {})
@@ -273,7 +273,7 @@ def _configure(
 
 
 def _as_factory(weights: Callable[[], Iterable[tuple[str, torch.Tensor]]]) -> WeightsFactory:
-    """An actor's ``weights()`` as a weights factory (see :mod:`ckpt_core.workload`)."""
+    """An actor's ``weights()`` as a weights factory (see :mod:`ckpt_core.orchestration.workload`)."""
 
     def factory(params: dict[str, Any], *, refit_index: int, rank: int) -> Iterable[tuple[str, torch.Tensor]]:
         return weights()
@@ -333,7 +333,7 @@ def _death_reason(exc: BaseException) -> str:
 
 
 class RayWorkerPool:
-    """A :class:`~ckpt_core.coordinator.WorkerPool` over Ray actors that mix in
+    """A :class:`~ckpt_core.orchestration.coordinator.WorkerPool` over Ray actors that mix in
     :class:`RefitActorMixin`; ``labels[i]`` names actor ``i`` (e.g. ``"rollout rank 1"``) and
     every error names it with its actor id.
 
@@ -354,7 +354,7 @@ class RayWorkerPool:
             if not hasattr(handle, "ckpt_call"):
                 raise TypeError(
                     f"{name} (Ray actor {_actor_id(handle)}) does not host a refit engine: mix "
-                    "ckpt_core.ray.RefitActorMixin into its class"
+                    "ckpt_core.orchestration.ray.RefitActorMixin into its class"
                 )
         self.actors = actors
         self.labels = [f"{name} (Ray actor {_actor_id(handle)})" for name, handle in zip(names, actors)]
@@ -458,14 +458,14 @@ def ray_service_pool(
     start_timeout_s: float = 300.0,
 ) -> Iterator[RayWorkerPool]:
     """A pool of :class:`RefitActor` actors built from ``RefitWorker`` service specs (those of
-    :func:`ckpt_core.worker.refit_worker_specs`), for ``ckpt-engine bench --launcher ray``.
+    :func:`ckpt_core.orchestration.worker.refit_worker_specs`), for ``ckpt-engine bench --launcher ray``.
 
     Joins the Ray cluster at ``address`` (or starts a local one) unless Ray is already
     initialized; actors are spread over the cluster's nodes. On exit the actors are killed and
     a cluster started here is shut down.
     """
     for spec in specs:
-        if spec.get("service") != "ckpt_core.worker:RefitWorker":
+        if spec.get("service") != "ckpt_core.orchestration.worker:RefitWorker":
             raise ValueError(f"the Ray launcher hosts RefitWorker services only, got {spec.get('service')!r}")
     started = False
     if not ray.is_initialized():

@@ -1,4 +1,8 @@
-"""An in-process transport for tests: the shared bucket pipeline over two shared buffers.
+"""An in-process transport: the shared bucket pipeline over two shared buffers.
+
+A reference for transport authors (the smallest complete ``BucketSender`` / ``BucketReceiver``
+pair, with deadlines and peer loss) and a tool for tests of code that drives an engine: a
+refit through it runs the real lifecycle, pipeline, hooks and statistics without processes.
 
 One sender and one receiver in the same process share ``num_slots`` slot buffers, the way a
 shared-memory transport would: the sender packs a slot and posts its header on a queue, the
@@ -10,9 +14,9 @@ Every wait has a deadline (``TransferTimeoutError``); closing either side wakes 
 with ``PeerLostError``. ``MemoryLink.corrupt`` flips payload bytes as they "arrive", to test
 integrity checks.
 
-``MemoryEngine`` wraps it as a ``BucketedEngine`` (one policy rank, one rollout rank), so the
-seed lifecycle, hooks and statistics run for real. It is importable as
-``helpers.memory_transport:MemoryEngine`` with ``tests/`` on ``sys.path``.
+``MemoryEngine`` wraps it as a ``BucketedEngine`` (one policy rank, one rollout rank, one
+process), named ``"ckpt_core.testing.memory:MemoryEngine"`` wherever a backend is;
+:func:`connected_pair` and :func:`run_refit` run a refit through it.
 """
 
 from __future__ import annotations
@@ -25,10 +29,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from ckpt_core.capabilities import BackendCapabilities
-from ckpt_core.engine import BucketedEngine
 from ckpt_core.errors import PeerLostError, TransferTimeoutError
-from ckpt_core.transport import BucketReceiver, BucketSender
+from ckpt_core.transport.capabilities import BackendCapabilities
+from ckpt_core.transport.engine import BucketedEngine
+from ckpt_core.transport.interfaces import BucketReceiver, BucketSender
 
 
 class MemoryLink:
@@ -227,9 +231,8 @@ def connected_pair(bucket_size: int, **options: Any) -> tuple[MemoryEngine, Memo
     policy = MemoryEngine(bucket_size=bucket_size, **options)
     rollout = MemoryEngine(bucket_size=bucket_size, **options)
     metadata = [policy.prepare(), rollout.prepare()]
-    sizes = {"train_world_size": 1, "rollout_world_size": 1, "metadata": metadata}
-    policy.init_policy_process_group(worker_rank=0, **sizes)
-    rollout.init_rollout_process_group(rollout_rank=0, **sizes)
+    policy.init_policy_process_group(worker_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata)
+    rollout.init_rollout_process_group(rollout_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata)
     return policy, rollout
 
 
@@ -280,5 +283,6 @@ def run_refit(
         outcome.receive_error = exc
         rollout.finalize()
     sender.join(deadline_s)
-    assert not sender.is_alive(), f"the sender did not finish within {deadline_s}s"
+    if sender.is_alive():
+        raise TransferTimeoutError(f"the sender did not finish within {deadline_s}s")
     return outcome

@@ -19,7 +19,7 @@ import os
 import secrets
 from typing import Any
 
-from .errors import AuthenticationError
+from ckpt_core.errors import AuthenticationError
 
 AUTH_TOKEN_ENV = "CKPT_CORE_AUTH_TOKEN"
 _NO_TOKEN = "no-token"

@@ -1,4 +1,4 @@
-"""Entry point of a local worker process: ``python -m ckpt_core.launch.worker_main IN_FD OUT_FD``.
+"""Entry point of a local worker process: ``python -m ckpt_core.orchestration.worker_main IN_FD OUT_FD``.
 
 The first request must be ``{"method": "__init__", "kwargs": {"service": "module:Class", ...}}``;
 it builds the service object. Each later request calls one of its public methods. The process
@@ -13,8 +13,8 @@ import sys
 import threading
 from typing import Any
 
-from ckpt_core.launch.protocol import decode, encode, error_reply
-from ckpt_core.workload import load_target
+from ckpt_core.orchestration.protocol import decode, encode, error_reply
+from ckpt_core.orchestration.workload import load_target
 
 
 def _reply(out: Any, message: dict[str, Any]) -> None:

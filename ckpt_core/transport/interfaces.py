@@ -1,6 +1,6 @@
 """The two small interfaces a transport implements: how one bucket moves, on each side.
 
-The refit pipeline (:mod:`ckpt_core.pipeline`) owns everything else: splitting weights into
+The refit pipeline (:mod:`ckpt_core._internal.pipeline`) owns everything else: splitting weights into
 chunks, packing buckets, headers, checksums, double buffering, reassembly and hooks. A
 transport owns its bucket buffers (``num_slots`` of them, each ``bucket_size`` bytes, allocated
 once) and moves the first ``nbytes`` of a slot, with a header, to its peers.
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .host_memory import copy_into
+from ckpt_core._internal.host_memory import copy_into
 
 
 class BucketSender(abc.ABC):

@@ -1,7 +1,7 @@
 """``RefitWorker``: one policy or rollout worker hosting an engine, driven by a coordinator.
 
 Every method takes and returns JSON-compatible data, so the same object serves a local
-subprocess (:mod:`ckpt_core.launch.local`) and a Ray actor (:mod:`ckpt_core.ray`).
+subprocess (:mod:`ckpt_core.orchestration.local`) and a Ray actor (:mod:`ckpt_core.orchestration.ray`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-from .base import CheckpointEngine, create_checkpoint_engine
-from .stats import Role
-from .workload import WeightsFactory, digests, load_target, tensor_digest
+from ckpt_core.contract import CheckpointEngine
+from ckpt_core.orchestration.workload import WeightsFactory, digests, load_target, tensor_digest
+from ckpt_core.registry import create_checkpoint_engine
+from ckpt_core.stats import Role
 
 BatchLoader = Callable[[list[tuple[str, torch.Tensor]]], None]
 
@@ -31,7 +32,7 @@ class RefitWorker:
     keep what they receive for the refit and report its digests, so a coordinator can check
     every tensor bit-exact against its source.
 
-    ``weights`` is a ``"module:function"`` weights factory (see :mod:`ckpt_core.workload`), or
+    ``weights`` is a ``"module:function"`` weights factory (see :mod:`ckpt_core.orchestration.workload`), or
     the factory itself, called with ``weights_params``; rollout workers need none. ``verify``
     turns digests on. ``load_weights`` (rollout only) receives each received batch instead of
     the worker keeping the tensors (digests are then taken batch by batch, before the loader
@@ -68,7 +69,7 @@ class RefitWorker:
         self.weights_params = dict(weights_params or {})
         self.verify = verify
         if hook_plugins:
-            from .hooks import plugin_manager
+            from ckpt_core.hooks import plugin_manager
 
             for target in hook_plugins:
                 plugin_manager().register(load_target(target)())
@@ -197,7 +198,7 @@ def refit_worker_specs(
     in coordinator order (policy ranks, then rollout ranks)."""
     specs, labels = [], []
     common = {
-        "service": "ckpt_core.worker:RefitWorker",
+        "service": "ckpt_core.orchestration.worker:RefitWorker",
         "backend": backend,
         "bucket_size": bucket_size,
         "engine_kwargs": dict(engine_kwargs or {}),

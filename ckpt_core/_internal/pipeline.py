@@ -11,7 +11,7 @@ with its header; packing then continues in the other slot while the first is in 
 (double buffering). The last bucket carries ``last=True``, so a refit of no tensors is one
 empty bucket.
 
-Receiver: each header is planned by a :class:`~ckpt_core.assembly.ChunkAssembler` as soon as it
+Receiver: each header is planned by a :class:`~ckpt_core._internal.assembly.ChunkAssembler` as soon as it
 arrives: output tensors are allocated, and direct chunks are received straight into them. While
 bucket ``k`` arrives, bucket ``k - 1`` is verified, its packed chunks are copied out of their
 slot, the slot is released to the sender, and the tensors it completed are yielded (a transport
@@ -39,21 +39,22 @@ from contextlib import contextmanager
 import torch
 import xxhash
 
-from .assembly import ChunkAssembler, Landing, SmallTensorLander
-from .base import TensorMeta, split_weight_chunks_bounded
-from .checksum import payload_checksum
-from .errors import (
+from ckpt_core._internal.assembly import ChunkAssembler, Landing, SmallTensorLander
+from ckpt_core._internal.checksum import payload_checksum
+from ckpt_core._internal.host_memory import SMALL_COPY_BYTES, host_address, prefault
+from ckpt_core._internal.wire import BucketHeader, decode_header, encode_header
+from ckpt_core.chunking import split_weight_chunks_bounded
+from ckpt_core.contract import TensorMeta
+from ckpt_core.errors import (
     IntegrityError,
     RemoteRefitError,
     TransferError,
     UnsupportedTensorError,
     WireFormatError,
 )
-from .hooks import RefitNotifier
-from .host_memory import SMALL_COPY_BYTES, host_address, prefault
-from .stats import RefitContext, RefitStats
-from .transport import BucketReceiver, BucketSender
-from .wire import BucketHeader, decode_header, encode_header
+from ckpt_core.hooks import RefitNotifier
+from ckpt_core.stats import RefitContext, RefitStats
+from ckpt_core.transport.interfaces import BucketReceiver, BucketSender
 
 Checksum = Callable[[torch.Tensor], int]
 """A digest of one 1-D ``uint8`` tensor's bytes."""
@@ -278,7 +279,7 @@ async def receive_refit(
     """Yield the ``(name, tensor)`` batches of one refit, one batch per bucket that completes
     tensors, in the sender's order. Tensors own their memory (never a transport's buffer;
     small ones of a bucket may share one storage of at most 1 MiB, see
-    :class:`~ckpt_core.assembly.SmallTensorLander`) and live on ``merge_device`` (or the
+    :class:`~ckpt_core._internal.assembly.SmallTensorLander`) and live on ``merge_device`` (or the
     receiver's buffers' device). ``checksum`` (the sender's function) verifies every
     bucket whose header carries a digest, before any tensor it completes is yielded; ``None``
     skips verification. ``stats`` (if given) is filled in as the refit runs."""

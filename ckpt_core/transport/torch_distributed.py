@@ -36,11 +36,12 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from .auth import answer_challenge, host_challenge, resolve_token, verify_members
-from .engine import BucketedEngine, check_choice
-from .errors import EngineOptionError, PeerLostError, TransferTimeoutError, WireFormatError
-from .transport import BucketReceiver, BucketSender
-from .wire import MAX_HEADER_BYTES
+from ckpt_core._internal.auth import answer_challenge, host_challenge, resolve_token, verify_members
+from ckpt_core._internal.wire import MAX_HEADER_BYTES
+from ckpt_core.errors import EngineOptionError, PeerLostError, TransferTimeoutError, WireFormatError
+from ckpt_core.transport.engine import BucketedEngine
+from ckpt_core.transport.interfaces import BucketReceiver, BucketSender
+from ckpt_core.transport.options import check_choice
 
 TOPOLOGIES = ("broadcast", "paired")
 _FRAME_TAG, _HEADER_REST_TAG, _PAYLOAD_TAG = 1, 2, 3
@@ -211,9 +212,9 @@ class DistributedEngine(BucketedEngine):
     or to debug a transport, and subclasses with a cheaper checksum default it on), ``topology``
     (``"broadcast"`` or ``"paired"``), ``host`` (the address this worker binds and advertises;
     default ``127.0.0.1``, set it to the node's address for multi-node runs), ``auth_token``
-    (a shared secret checked at rendezvous, see :mod:`ckpt_core.auth`; default: the
+    (a shared secret checked at rendezvous, see :mod:`ckpt_core._internal.auth`; default: the
     ``CKPT_CORE_AUTH_TOKEN`` environment variable, else none), ``release_after_refit`` and
-    ``shard_expert_weights`` (see :class:`~ckpt_core.engine.BucketedEngine`).
+    ``shard_expert_weights`` (see :class:`~ckpt_core.transport.engine.BucketedEngine`).
     """
 
     device_type: ClassVar[str] = "cpu"

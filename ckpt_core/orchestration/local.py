@@ -1,6 +1,6 @@
 """``LocalProcessPool``: worker services in local subprocesses, called in parallel with deadlines.
 
-Each worker is a fresh Python process (``python -m ckpt_core.launch.worker_main``) talking
+Each worker is a fresh Python process (``python -m ckpt_core.orchestration.worker_main``) talking
 JSON lines over two pipes. Calls to several workers run concurrently (a refit needs senders
 and receivers at once); every call has a deadline, and a worker that dies is reported with
 its exit status instead of being waited for.
@@ -22,8 +22,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..coordinator import CallResult
-from .protocol import MAX_LINE_BYTES, decode, encode
+from ckpt_core.orchestration.coordinator import CallResult
+from ckpt_core.orchestration.protocol import MAX_LINE_BYTES, decode, encode
 
 
 class _Worker:
@@ -32,7 +32,7 @@ class _Worker:
         to_child_r, self._to_child = os.pipe()
         self._from_child, from_child_w = os.pipe()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "ckpt_core.launch.worker_main", str(to_child_r), str(from_child_w)],
+            [sys.executable, "-m", "ckpt_core.orchestration.worker_main", str(to_child_r), str(from_child_w)],
             pass_fds=(to_child_r, from_child_w),
             env=env,
             stdin=subprocess.DEVNULL,

@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from .errors import UnsupportedTensorError, WireFormatError
+from ckpt_core.errors import UnsupportedTensorError, WireFormatError
 
 # Quantized dtypes carry a scale and zero point outside their bytes: moving the bytes alone
 # would silently change the values, so they are refused rather than mangled.

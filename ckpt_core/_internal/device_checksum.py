@@ -1,6 +1,6 @@
 """A payload checksum computed where the payload lives (GPU or host), for device buffers.
 
-:func:`ckpt_core.checksum.payload_checksum` (xxh3) reads host memory, so a transport whose
+:func:`ckpt_core._internal.checksum.payload_checksum` (xxh3) reads host memory, so a transport whose
 bucket buffers live on a GPU would have to copy every bucket to the host to use it. This
 checksum runs as a few ``torch`` reductions on the buffer's own device and moves only six
 integers to the host.

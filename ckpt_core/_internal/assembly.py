@@ -27,10 +27,10 @@ import functools
 
 import torch
 
-from .base import TensorMeta
-from .dtypes import dtype_name
-from .errors import ChunkStreamError
-from .host_memory import POOLED_MIN_BYTES, empty_host, empty_host_storage
+from ckpt_core._internal.dtypes import dtype_name
+from ckpt_core._internal.host_memory import POOLED_MIN_BYTES, empty_host, empty_host_storage
+from ckpt_core.contract import TensorMeta
+from ckpt_core.errors import ChunkStreamError
 
 
 class Landing:
@@ -98,7 +98,7 @@ SMALL_TENSOR_BYTES = 64 << 10
 """Whole tensors up to this size may be landed as views of a shared storage."""
 
 SHARED_STORAGE_BYTES = 1 << 20
-"""Size of one shared storage (from :func:`~ckpt_core.host_memory.empty_host_storage`)."""
+"""Size of one shared storage (from :func:`~ckpt_core._internal.host_memory.empty_host_storage`)."""
 
 
 class SmallTensorLander:

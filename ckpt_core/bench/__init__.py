@@ -1,0 +1,6 @@
+"""Bench tooling: the ``ckpt-engine bench`` job (:mod:`~ckpt_core.bench.job`), the raw
+``torch.distributed`` floor it is measured against (:mod:`~ckpt_core.bench.baselines`),
+transformer-shaped synthetic weights (:mod:`~ckpt_core.bench.synthetic`) and a live progress
+line (:mod:`~ckpt_core.bench.progress`). The side-by-side benchmarks of the repository
+(``benchmarks/``) build on it.
+"""

@@ -1,1 +1,0 @@
-"""Launchers: how coordinator calls reach workers (local subprocesses here, Ray in ckpt_core.ray)."""
