@@ -42,6 +42,10 @@ class EngineOptionError(CheckpointEngineError, TypeError):
     """An engine option is unknown, or of the wrong type or value."""
 
 
+class HookValidationError(CheckpointEngineError, ValueError):
+    """A hook plugin implements a hook that does not exist, or with arguments it does not have."""
+
+
 class BackendUnavailableError(CheckpointEngineError, RuntimeError):
     """The backend is installed but cannot run here (no CUDA, no NCCL library, ...)."""
 

@@ -1,21 +1,28 @@
 """The hook plugin manager, and the one helper through which the refit pipeline notifies it.
 
 Hook plugins come from the entry-point group ``ckpt_core.hooks``; set
-``CKPT_CORE_DISABLE_PLUGIN_AUTOLOAD=1`` to load none. A hook plugin that fails to import is
-reported with a ``HookPluginWarning`` naming it and its cause (and listed by
-``hook_plugin_failures()``); it never stops a refit or the other observers.
+``CKPT_CORE_DISABLE_PLUGIN_AUTOLOAD=1`` to load none, or name some in
+``CKPT_CORE_BLOCK_PLUGINS`` (comma-separated) to skip those. A hook plugin that fails to
+import, or implements a hook that does not exist (a misspelled name), is not registered: it is
+reported with a ``HookPluginWarning`` naming it and the cause (and listed by
+``hook_plugin_failures()``), and never stops a refit or the other observers. At run time,
+:func:`register` adds an observer object with the same check, raising ``HookValidationError``.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
 import warnings
 from importlib import metadata
+from typing import Any
 
 import pluggy
 
 from ckpt_core import hookspecs
+from ckpt_core._internal.blocklist import blocked_plugins
+from ckpt_core.errors import HookValidationError
 from ckpt_core.stats import RefitContext, RefitStats, Role
 
 HOOKS_ENTRY_POINT_GROUP = "ckpt_core.hooks"
@@ -35,12 +42,12 @@ def plugin_manager() -> pluggy.PluginManager:
     manager.add_hookspecs(hookspecs)
     if os.environ.get(DISABLE_AUTOLOAD_ENV, "").strip() not in ("", "0"):
         return manager
+    blocked = blocked_plugins()
     for ep in metadata.entry_points(group=HOOKS_ENTRY_POINT_GROUP):
-        if manager.get_plugin(ep.name) is not None:
+        if ep.name in blocked or manager.get_plugin(ep.name) is not None:
             continue
         try:
-            plugin = ep.load()
-            manager.register(plugin, name=ep.name)
+            _register_checked(manager, ep.load(), ep.name)
         except Exception as exc:
             dist = ep.dist.metadata["Name"] if ep.dist is not None else "<unknown>"
             reason = f"{type(exc).__name__}: {exc} (from {dist}, target {ep.value})"
@@ -51,6 +58,40 @@ def plugin_manager() -> pluggy.PluginManager:
                 stacklevel=2,
             )
     return manager
+
+
+def register(plugin: Any, name: str | None = None) -> None:
+    """Register an observer (a module, class or object with ``@ckpt_core.hookimpl`` methods).
+
+    Raises ``HookValidationError``, registering nothing, if one of its implementations names a
+    hook that does not exist or takes an argument the hook does not pass.
+    """
+    _register_checked(plugin_manager(), plugin, name)
+
+
+def _register_checked(manager: pluggy.PluginManager, plugin: Any, name: str | None) -> None:
+    try:
+        manager.register(plugin, name=name)
+    except pluggy.PluginValidationError as exc:  # an argument the hook does not pass
+        raise HookValidationError(str(exc)) from exc
+    try:
+        manager.check_pending()
+    except pluggy.PluginValidationError as exc:
+        message = _unknown_hook_message(manager, plugin, exc)
+        manager.unregister(plugin)
+        raise HookValidationError(message) from exc
+
+
+def _unknown_hook_message(manager: pluggy.PluginManager, plugin: Any, exc: Exception) -> str:
+    known = sorted(name for name in dir(hookspecs) if name.startswith("ckpt_core_"))
+    unknown = sorted(
+        caller.name for caller in (manager.get_hookcallers(plugin) or []) if caller.name not in known
+    ) or [str(exc)]
+    hints = []
+    for hook in unknown:
+        close = difflib.get_close_matches(hook, known, n=1)
+        hints.append(f"{hook!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return f"implements hooks that do not exist: {', '.join(hints)}; the hooks are {', '.join(known)}"
 
 
 def hook_plugin_failures() -> dict[str, str]:

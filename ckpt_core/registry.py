@@ -17,10 +17,12 @@ import dataclasses
 import difflib
 import importlib
 import inspect
+import os
 from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
+from ckpt_core._internal.blocklist import BLOCK_ENV, blocked_plugins
 from ckpt_core.contract import CheckpointEngine
 from ckpt_core.errors import (
     BackendImportError,
@@ -79,9 +81,13 @@ class BackendInfo:
 
 
 def _entries() -> dict[str, list[BackendEntry]]:
-    """Every registration in the group, by name. Reading metadata imports no plugin."""
+    """Every registration in the group, by name, but those in ``CKPT_CORE_BLOCK_PLUGINS``.
+    Reading metadata imports no plugin."""
     found: dict[str, list[BackendEntry]] = {}
+    blocked = blocked_plugins()
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in blocked:
+            continue
         dist = ep.dist
         entry = BackendEntry(
             name=ep.name,
@@ -185,6 +191,11 @@ def _load_target(target: str, *, entry: BackendEntry | None) -> type[CheckpointE
 
 
 def _unknown_message(backend: str, entries: dict[str, list[BackendEntry]]) -> str:
+    if backend in blocked_plugins():
+        return (
+            f"Unknown checkpoint-engine backend {backend!r}: it is blocked by {BLOCK_ENV}="
+            f"{os.environ.get(BLOCK_ENV, '')!r}; take it out of that list to use it."
+        )
     lines = [f"Unknown checkpoint-engine backend {backend!r}: no installed backend has that name."]
     if backend in KNOWN_DISTRIBUTIONS:
         lines.append(f"It ships as a plugin: pip install {KNOWN_DISTRIBUTIONS[backend]}")

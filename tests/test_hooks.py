@@ -335,6 +335,14 @@ BROKEN_HOOKS = """
     raise ImportError("ckpt_test_broken_hooks needs libmetrics_for_tests, which is not installed")
 """
 
+MISSPELLED_HOOKS = """
+    import ckpt_core
+
+    @ckpt_core.hookimpl
+    def ckpt_core_refit_finsihed(context, stats):
+        raise AssertionError("a hook that does not exist must never be called")
+"""
+
 PROBE = """
     import json, os, warnings
     import torch
@@ -343,7 +351,7 @@ PROBE = """
         from ckpt_core.hooks import HookPluginWarning, hook_plugin_failures, plugin_manager
         manager = plugin_manager()
     plugin_warnings = [str(w.message) for w in caught if issubclass(w.category, HookPluginWarning)]
-    loaded = sorted(name for name, plugin in manager.list_name_plugin() if name in ("good", "broken"))
+    loaded = sorted(name for name, plugin in manager.list_name_plugin() if name in ("good", "broken", "misspelled"))
 
     from ckpt_core.testing.memory import connected_pair, run_refit
     policy, rollout = connected_pair(64)
@@ -366,8 +374,18 @@ PROBE = """
 def hook_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     dist = Distribution(
         name="ckpt-test-hooks",
-        modules={"ckpt_test_good_hooks": GOOD_HOOKS, "ckpt_test_broken_hooks": BROKEN_HOOKS},
-        entry_points={"ckpt_core.hooks": {"good": "ckpt_test_good_hooks", "broken": "ckpt_test_broken_hooks"}},
+        modules={
+            "ckpt_test_good_hooks": GOOD_HOOKS,
+            "ckpt_test_broken_hooks": BROKEN_HOOKS,
+            "ckpt_test_misspelled_hooks": MISSPELLED_HOOKS,
+        },
+        entry_points={
+            "ckpt_core.hooks": {
+                "good": "ckpt_test_good_hooks",
+                "broken": "ckpt_test_broken_hooks",
+                "misspelled": "ckpt_test_misspelled_hooks",
+            }
+        },
     )
     return install([dist], tmp_path_factory.mktemp("hook-dist"))
 
@@ -375,11 +393,15 @@ def hook_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_entry_point_hooks_load_and_a_broken_one_warns(hook_site: Path, tests_dir: Path, tmp_path: Path) -> None:
     result = run_python(PROBE, path=[hook_site, tests_dir], cwd=tmp_path)
     assert result["loaded"] == ["good"]
-    assert len(result["warnings"]) == 1
-    warning = result["warnings"][0]
-    for fragment in ("'broken'", "ImportError", "libmetrics_for_tests", "ckpt-test-hooks", "ckpt_test_broken_hooks"):
-        assert fragment in warning, f"{fragment!r} missing from {warning!r}"
-    assert list(result["failures"]) == ["broken"] and "libmetrics_for_tests" in result["failures"]["broken"]
+    assert len(result["warnings"]) == 2
+    broken = next(w for w in result["warnings"] if "'broken'" in w)
+    for fragment in ("ImportError", "libmetrics_for_tests", "ckpt-test-hooks", "ckpt_test_broken_hooks"):
+        assert fragment in broken, f"{fragment!r} missing from {broken!r}"
+    misspelled = next(w for w in result["warnings"] if "'misspelled'" in w)
+    for fragment in ("HookValidationError", "'ckpt_core_refit_finsihed'", "did you mean 'ckpt_core_refit_finished'"):
+        assert fragment in misspelled, f"{fragment!r} missing from {misspelled!r}"
+    assert sorted(result["failures"]) == ["broken", "misspelled"]
+    assert "libmetrics_for_tests" in result["failures"]["broken"]
     # The good plugin observed the refit on both sides; the broken one stopped nothing.
     assert sorted(map(tuple, result["calls"])) == sorted(
         [("started", "policy", 0), ("started", "rollout", 0), ("finished", "policy", 2), ("finished", "rollout", 2)]
@@ -390,3 +412,40 @@ def test_disable_autoload_loads_no_hook_plugin(hook_site: Path, tests_dir: Path,
     env = {"CKPT_CORE_DISABLE_PLUGIN_AUTOLOAD": "1"}
     result = run_python(PROBE, path=[hook_site, tests_dir], env=env, cwd=tmp_path)
     assert result == {"warnings": [], "failures": {}, "loaded": [], "calls": None}
+
+
+def test_a_blocked_hook_plugin_is_not_loaded(hook_site: Path, tests_dir: Path, tmp_path: Path) -> None:
+    env = {"CKPT_CORE_BLOCK_PLUGINS": " good , misspelled"}
+    result = run_python(PROBE, path=[hook_site, tests_dir], env=env, cwd=tmp_path)
+    assert result["loaded"] == [] and result["calls"] is None
+    assert list(result["failures"]) == ["broken"]
+
+
+class _Misspelled:
+    @ckpt_core.hookimpl
+    def ckpt_core_bucket_snet(self, context: RefitContext, bucket_index: int, nbytes: int, num_chunks: int) -> None:
+        raise AssertionError("never called")
+
+
+class _ExtraArgument:
+    @ckpt_core.hookimpl
+    def ckpt_core_refit_started(self, context: RefitContext, when: float) -> None:
+        raise AssertionError("never called")
+
+
+@pytest.mark.parametrize(
+    ("plugin", "match"),
+    [
+        (_Misspelled(), "'ckpt_core_bucket_snet' \\(did you mean 'ckpt_core_bucket_sent'\\?\\)"),
+        (_ExtraArgument(), "'when'"),
+    ],
+    ids=["misspelled-hook", "unknown-argument"],
+)
+def test_register_refuses_a_hook_that_does_not_exist(plugin: object, match: str) -> None:
+    from ckpt_core.errors import HookValidationError
+    from ckpt_core.hooks import register
+
+    before = len(plugin_manager().get_plugins())
+    with pytest.raises(HookValidationError, match=match):
+        register(plugin)
+    assert len(plugin_manager().get_plugins()) == before

@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers.distributions import Distribution, install, run_python
 
-from ckpt_core import create_checkpoint_engine, list_backends, resolve_backend
+from ckpt_core import backend_names, create_checkpoint_engine, list_backends, resolve_backend
 from ckpt_core.errors import (
     BackendImportError,
     BackendUnavailableError,
@@ -47,6 +47,12 @@ EXTERNAL = """
         def __init__(self, *, bucket_size, flavour, timeout_s=300.0, checksum=True):
             super().__init__(bucket_size=bucket_size, timeout_s=timeout_s, checksum=checksum)
             self.flavour = flavour
+
+        def _connect_policy(self, worker_rank, train_world_size, rollout_world_size, metadata):
+            raise NotImplementedError("a registry test: never connected")
+
+        def _connect_rollout(self, rollout_rank, train_world_size, rollout_world_size, metadata):
+            raise NotImplementedError("a registry test: never connected")
 
 
     class SeedOnlyEngine(CheckpointEngine):
@@ -87,6 +93,12 @@ DUPLICATE = """
 
     class DupEngine(BucketedEngine):
         backend_name = "dup_mem"
+
+        def _connect_policy(self, worker_rank, train_world_size, rollout_world_size, metadata):
+            raise NotImplementedError("a registry test: never connected")
+
+        def _connect_rollout(self, rollout_rank, train_world_size, rollout_world_size, metadata):
+            raise NotImplementedError("a registry test: never connected")
 """
 
 BACKENDS = "ckpt_core.backends"
@@ -429,3 +441,12 @@ def test_engine_receives_bucket_size(bucket_size_bytes: int) -> None:
 def test_bucket_size_bytes_is_keyword_only() -> None:
     with pytest.raises(TypeError):
         create_checkpoint_engine("gloo_cpu", 4096, {})  # type: ignore[misc]
+
+
+def test_a_blocked_backend_is_neither_listed_nor_resolved(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPT_CORE_BLOCK_PLUGINS", "cuda_ipc,nccl")
+    assert "cuda_ipc" not in backend_names() and "gloo_cpu" in backend_names()
+    assert all(info.name != "nccl" for info in list_backends())
+    with pytest.raises(UnknownBackendError, match="'cuda_ipc': it is blocked by CKPT_CORE_BLOCK_PLUGINS"):
+        resolve_backend("cuda_ipc")
+    resolve_backend("gloo_cpu")

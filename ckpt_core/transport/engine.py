@@ -15,6 +15,7 @@ statistics.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import enum
 import uuid
@@ -67,10 +68,31 @@ class BucketedEngine(CheckpointEngine):
       ``prepare()`` metadata (NeMo RL's vLLM worker does), for the caller to select the weights
       that destination keeps. On a rollout worker the engine only carries the flag: the
       worker's loader reads it.
+
+    What a subclass provides (the rest is this class's and the pipeline's):
+
+    * ``backend_name``: its entry-point name, required of every concrete subclass;
+    * ``_connect_policy`` and ``_connect_rollout`` (abstract): a sender / receiver;
+    * optionally ``_prepare_transport``, ``_release_transport``, ``_release_cached_memory``,
+      ``_destinations``, ``_payload_checksum`` and ``_merge_device``.
+
+    Every other underscore name is private to this class.
     """
 
-    backend_name: ClassVar[str] = "bucketed"
-    """The entry-point name; stamped into metadata so engines of another backend are refused."""
+    backend_name: ClassVar[str]
+    """The entry-point name; stamped into metadata so engines of another backend are refused.
+    A concrete subclass that does not set it is refused when the class is defined."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # ABCMeta computes __abstractmethods__ after this hook runs, so look for them here.
+        abstract = any(getattr(getattr(cls, name, None), "__isabstractmethod__", False) for name in dir(cls))
+        name = getattr(cls, "backend_name", None)
+        if not abstract and (not isinstance(name, str) or not name):
+            raise TypeError(
+                f"{cls.__qualname__} must set backend_name = '<its entry-point name>' (a non-empty "
+                f"string; it is stamped into prepare() metadata), got {name!r}"
+            )
 
     def __init__(
         self,
@@ -103,20 +125,25 @@ class BucketedEngine(CheckpointEngine):
     # --- what transports implement ---------------------------------------------------
 
     def _prepare_transport(self) -> dict[str, Any]:
+        """What peers need to reach this worker, as JSON data (its role is not known yet)."""
         return {}
 
+    @abc.abstractmethod
     def _connect_policy(
         self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
     ) -> BucketSender | None:
-        raise NotImplementedError
+        """Connect to this policy rank's receivers within ``timeout_s``; ``None`` for a rank
+        that sends to no one (its weights are drained at every refit)."""
 
+    @abc.abstractmethod
     def _connect_rollout(
         self, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
     ) -> BucketReceiver:
-        raise NotImplementedError
+        """Connect to this rollout rank's sender within ``timeout_s``."""
 
     def _release_transport(self) -> None:
-        pass
+        """Free what ``_prepare_transport`` and the ``_connect`` methods acquired. Idempotent:
+        it runs after failures, and before ``prepare()`` ever ran."""
 
     def _release_cached_memory(self) -> None:
         """Hand cached memory back to the system (``finalize()`` with ``release_after_refit``);
@@ -134,6 +161,7 @@ class BucketedEngine(CheckpointEngine):
         return payload_checksum if self.checksum else None
 
     def _merge_device(self) -> torch.device | str | None:
+        """Where received tensors are built; ``None``: on the receiver's buffer device."""
         return None
 
     # --- the seed lifecycle ------------------------------------------------------------
