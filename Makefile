@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test typecheck bench bench-all gpu-check clean
+.PHONY: venv test lint format typecheck bench bench-all gpu-check clean
 
 venv: $(STAMP)
 
@@ -18,9 +18,19 @@ $(STAMP): requirements-dev.txt pyproject.toml plugins/*/pyproject.toml
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
-## Static types of the library, the plugins and the benchmarks (CI runs it after the tests).
+## Lint and format check (ruff, configured in pyproject.toml; CI runs it after the tests).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+## Apply the formatter and the safe lint fixes.
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+## Static types of the library, plugins, benchmarks and every test folder (CI runs it too).
 typecheck: $(STAMP)
-	$(BIN)/python -m mypy
+	PYTHON=$(BIN)/python bash scripts/typecheck.sh
 
 ## The main job: a 1 GiB refit, 1 policy -> 2 rollout processes over gloo_cpu, checked bit-exact.
 bench: $(STAMP)

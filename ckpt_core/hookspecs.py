@@ -3,7 +3,7 @@
 Each hook below is a typed stub; its docstring is the contract. Implement any subset in a
 module or class with ``@ckpt_core.hookimpl`` and register it in the entry-point group
 ``ckpt_core.hooks`` (autoloaded unless ``CKPT_CORE_DISABLE_PLUGIN_AUTOLOAD=1``) or at run time
-with ``ckpt_core.hooks.plugin_manager().register(obj)``.
+with ``ckpt_core.hooks.register(obj)`` (which refuses a misspelled hook).
 
 Hooks run on the worker's own thread, inside the refit: keep them cheap, and never raise
 (an exception in a hook fails the refit it observes). Hooks are grouped by lifecycle stage.

@@ -205,3 +205,26 @@ def test_order_and_consumption_checks_read_the_reports() -> None:
     cluster.check_consumption(_report({}, {}, done))
     with pytest.raises(AssertionError, match="pulling 1 of 2"):
         cluster.check_consumption(_report({}, {}, {"pulled": 1, "exhausted": False, "expected": 2}))
+
+
+LEAK_PROBE = """
+    def test_uses_a_fixture_named_backend(backend):
+        pass
+
+
+    def test_uses_bucket_size(bucket_size):
+        pass
+"""
+
+
+def test_the_kit_adds_no_fixture_to_other_tests(tmp_path: Path) -> None:
+    """Installing ckpt-core must not give every pytest session fixtures named ``backend``,
+    ``bucket_size``, ...: in a project of its own, a test asking for one finds none."""
+    (tmp_path / "test_probe.py").write_text(textwrap.dedent(LEAK_PROBE))
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_probe.py"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert run.stdout.count("fixture 'backend' not found") == 1, run.stdout[-3000:]
+    assert run.stdout.count("fixture 'bucket_size' not found") == 1, run.stdout[-3000:]

@@ -1,13 +1,12 @@
 """Host allocations for received tensors: huge pages, a pool of freed blocks, prefaulting.
 
 A receiver hands out tensors that own their memory, so every refit fills fresh allocations,
-and fresh memory is slow: the first touch of each page faults, and the kernel zeroes it. With
-4 KiB pages, copying 64 MiB into a fresh ``torch.empty`` ran at 0.9 GB/s here against 5 GB/s
-into warm memory. Three things keep that off a refit's critical path:
+and fresh memory is slow: the first touch of each page faults, and the kernel zeroes it, so a
+copy into fresh 4 KiB pages runs several times slower than into warm memory
+(docs/benchmarks.md has the figures). Three things keep that off a refit's critical path:
 
 * Tensors of ``POOLED_MIN_BYTES`` and up are anonymous mappings; from
-  ``HUGE_PAGE_THRESHOLD`` up they are advised ``MADV_HUGEPAGE``: one fault per 2 MiB (the same
-  copy ran at 3.5 GB/s).
+  ``HUGE_PAGE_THRESHOLD`` up they are advised ``MADV_HUGEPAGE``: one fault per 2 MiB.
 * When such a tensor is freed (its last view gone), its mapping goes back to a per-process
   pool, and the next tensor of the same size (rounded up to a page, or to 2 MiB with huge
   pages) reuses it, already faulted in. A full pool makes room for a newly freed block by

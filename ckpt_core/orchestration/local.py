@@ -8,7 +8,7 @@ its exit status instead of being waited for.
 Like ``torchrun``, the pool gives each worker an equal share of the machine's cores for
 torch's intra-op threads (``OMP_NUM_THREADS``, unless the caller's environment sets it):
 several processes each running a thread pool over every core oversubscribe the machine, and
-a copy split over two busy cores ran slower than on one (measured in README, "Benchmarks").
+a copy split over busy cores runs slower than on one.
 """
 
 from __future__ import annotations

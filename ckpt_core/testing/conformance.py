@@ -18,11 +18,12 @@ values; each policy rank runs its generator to the end exactly once, also a rank
 receiver; ``finalize()`` then ``prepare()``/init again works; a peer killed mid-refit fails
 the refit within the engine's ``timeout_s``.
 
-Configuration is read from class attributes (or the same-named fixtures of
-:mod:`ckpt_core.testing.plugin`): ``backend``, ``engine_options``, ``bucket_size``,
-``worker_env``; and from class attributes only: ``shapes``, ``dead_peer_shape``,
-``peer_timeout_s``, ``peer_margin_s``, ``call_timeout_s``, ``lifecycle_deadline_s`` and the
-:meth:`~TransportConformance.worker_engine_options` hook.
+Configuration is read from class attributes: ``backend``, ``engine_options``,
+``bucket_size``, ``worker_env`` (checked into the class's ``conformance_settings`` fixture,
+which a class may override), ``shapes``, ``dead_peer_shape``, ``peer_timeout_s``,
+``peer_margin_s``, ``call_timeout_s``, ``lifecycle_deadline_s``, and the
+:meth:`~TransportConformance.worker_engine_options` hook. Every fixture of the kit is defined
+on this class and named ``conformance_*``, so nothing leaks into other tests.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from ckpt_core.registry import (
 from ckpt_core.testing import plugin as kit_plugin
 from ckpt_core.testing.cluster import ConformanceCluster, Shape, worker_environment
 from ckpt_core.testing.lifecycle import OUT_OF_ORDER_CASES, OutOfOrderCase, run_out_of_order
-from ckpt_core.testing.plugin import DEFAULT_BUCKET_SIZE
+from ckpt_core.testing.settings import DEFAULT_BUCKET_SIZE, KitSettings
 from ckpt_core.transport.engine import BucketedEngine
 
 CLUSTER_FIXTURE = "conformance_cluster"
@@ -115,26 +116,27 @@ class TransportConformance:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def conformance_cluster(
-        cls,
-        request: pytest.FixtureRequest,
-        backend: str,
-        engine_options: dict[str, Any],
-        bucket_size: int,
-        worker_env: dict[str, str],
-    ) -> Iterator[ConformanceCluster]:
+    def conformance_settings(cls) -> KitSettings:
+        """The class's ``backend``, ``engine_options``, ``bucket_size`` and ``worker_env``,
+        checked. Override this fixture (``scope="class"``) to compute them instead."""
+        return KitSettings.of(cls)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def conformance_cluster(cls, request: pytest.FixtureRequest, conformance_settings: KitSettings) -> Iterator[ConformanceCluster]:
         """Worker processes of one shape, shared by the class's refit tests."""
         owner = cls()
         shape: Shape = request.param
+        settings = conformance_settings
         cluster = ConformanceCluster(
-            backend=backend,
+            backend=settings.backend,
             shape=shape,
-            bucket_size=bucket_size,
-            engine_options=engine_options,
+            bucket_size=settings.bucket_size,
+            engine_options=dict(settings.engine_options),
             worker_options=lambda options, role, rank: owner.worker_engine_options(
                 options, role=role, rank=rank, shape=shape
             ),
-            env=worker_environment(worker_env),
+            env=worker_environment(dict(settings.worker_env)),
             call_timeout_s=owner.call_timeout_s,
         )
         try:
@@ -148,13 +150,15 @@ class TransportConformance:
         conformance_cluster.ensure_ready()
         return conformance_cluster
 
-    def _engine(self, backend: str, engine_options: dict[str, Any], bucket_size: int) -> CheckpointEngine:
-        options = self.worker_engine_options(dict(engine_options), role="policy", rank=0, shape=Shape(1, 1))
-        return create_checkpoint_engine(backend, bucket_size_bytes=bucket_size, engine_kwargs=options)
+    def _engine(self, settings: KitSettings, extra: dict[str, Any] | None = None) -> CheckpointEngine:
+        options = {**settings.engine_options, **(extra or {})}
+        options = self.worker_engine_options(options, role="policy", rank=0, shape=Shape(1, 1))
+        return create_checkpoint_engine(settings.backend, bucket_size_bytes=settings.bucket_size, engine_kwargs=options)
 
     # --- registry ----------------------------------------------------------------------------
 
-    def test_registry_finds_backend_by_name(self, backend: str, engine_options: dict[str, Any], bucket_size: int) -> None:
+    def test_registry_finds_backend_by_name(self, conformance_settings: KitSettings) -> None:
+        backend = conformance_settings.backend
         if ":" in backend:
             pytest.skip(f"{backend!r} names a class directly; register an entry point in "
                         "'ckpt_core.backends' to test discovery by name")
@@ -168,7 +172,7 @@ class TransportConformance:
                 f"{engine_class.__name__}.backend_name is {engine_class.backend_name!r}; set it to the "
                 f"entry-point name {backend!r} (it is stamped into prepare() metadata)"
             )
-        engine = self._engine(backend, engine_options, bucket_size)
+        engine = self._engine(conformance_settings)
         try:
             assert type(engine) is engine_class
         finally:
@@ -176,8 +180,8 @@ class TransportConformance:
 
     # --- one engine, in this process ---------------------------------------------------------
 
-    def test_prepare_metadata_is_plain_json(self, backend: str, engine_options: dict[str, Any], bucket_size: int) -> None:
-        engine = self._engine(backend, engine_options, bucket_size)
+    def test_prepare_metadata_is_plain_json(self, conformance_settings: KitSettings) -> None:
+        engine = self._engine(conformance_settings)
         try:
             metadata = engine.prepare()
             try:
@@ -191,20 +195,19 @@ class TransportConformance:
         finally:
             engine.finalize()
 
-    def test_takes_the_options_nemo_rl_passes(self, backend: str, engine_options: dict[str, Any], bucket_size: int) -> None:
+    def test_takes_the_options_nemo_rl_passes(self, conformance_settings: KitSettings) -> None:
         """NeMo RL builds every plugin engine with ``release_after_refit`` (and may pass
         ``shard_expert_weights``); an engine that refuses them cannot be used from NeMo RL.
         ``BucketedEngine`` takes both: pass them on from your ``__init__``."""
         for flag in (False, True):
-            options = {**engine_options, "release_after_refit": flag, "shard_expert_weights": flag}
-            engine = self._engine(backend, options, bucket_size)
+            engine = self._engine(conformance_settings, {"release_after_refit": flag, "shard_expert_weights": flag})
             try:
                 assert engine.shard_expert_weights is flag
             finally:
                 engine.finalize()
 
-    def test_finalize_is_idempotent(self, backend: str, engine_options: dict[str, Any], bucket_size: int) -> None:
-        engine = self._engine(backend, engine_options, bucket_size)
+    def test_finalize_is_idempotent(self, conformance_settings: KitSettings) -> None:
+        engine = self._engine(conformance_settings)
         engine.finalize()
         engine.prepare()
         engine.finalize()
@@ -214,9 +217,9 @@ class TransportConformance:
 
     @pytest.mark.parametrize("case", OUT_OF_ORDER_CASES, ids=[c.name for c in OUT_OF_ORDER_CASES])
     def test_out_of_order_call_raises(
-        self, case: OutOfOrderCase, backend: str, engine_options: dict[str, Any], bucket_size: int
+        self, case: OutOfOrderCase, conformance_settings: KitSettings
     ) -> None:
-        engine = self._engine(backend, engine_options, bucket_size)
+        engine = self._engine(conformance_settings)
         error = run_out_of_order(engine, case, self.lifecycle_deadline_s)
         if isinstance(engine, BucketedEngine):
             assert isinstance(error, LifecycleError), (
@@ -274,14 +277,14 @@ class TransportConformance:
         for rank, result in enumerate(report.policy):
             assert result["consumption"] == {"pulled": 12, "exhausted": True, "expected": 12}, f"policy rank {rank}"
 
-    def test_calls_after_finalize_raise(self, refit_cluster: ConformanceCluster, backend: str) -> None:
+    def test_calls_after_finalize_raise(self, refit_cluster: ConformanceCluster) -> None:
         refit_cluster.finalize()
         pool_size = refit_cluster.shape.num_policy + refit_cluster.shape.num_rollout
         weights = {"weights": "ckpt_core.testing.weights:sized", "weights_params": {"sizes": [64]}}
         calls = [(i, "refit", {"refit_index": 0, **(weights if i < refit_cluster.shape.num_policy else {})})
                  for i in range(pool_size)]
         results = refit_cluster.call(calls, timeout_s=self.lifecycle_deadline_s)
-        bucketed = issubclass(resolve_backend(backend), BucketedEngine)
+        bucketed = issubclass(resolve_backend(refit_cluster.backend), BucketedEngine)
         for result in results:
             assert not result.ok, f"{result.worker}: a refit after finalize() succeeded; it must raise"
             assert "did not answer" not in (result.message or ""), f"{result.worker} hung: {result.message}"
@@ -299,17 +302,11 @@ class TransportConformance:
 
     # --- failures ------------------------------------------------------------------------------
 
-    def test_killed_peer_fails_refit_within_timeout(
-        self,
-        backend: str,
-        engine_options: dict[str, Any],
-        bucket_size: int,
-        worker_env: dict[str, str],
-        tmp_path: Path,
-    ) -> None:
+    def test_killed_peer_fails_refit_within_timeout(self, conformance_settings: KitSettings, tmp_path: Path) -> None:
+        backend, bucket_size = conformance_settings.backend, conformance_settings.bucket_size
         shapes = [Shape.coerce(s) for s in type(self).shapes]
         shape = Shape.coerce(self.dead_peer_shape) if self.dead_peer_shape else Shape(1, 1, shapes[0].topology)
-        options = dict(engine_options)
+        options = dict(conformance_settings.engine_options)
         timeout_s = float(options.get("timeout_s", self.peer_timeout_s))
         if "timeout_s" not in options:
             try:
@@ -324,7 +321,7 @@ class TransportConformance:
             bucket_size=bucket_size,
             engine_options=options,
             worker_options=lambda o, role, rank: self.worker_engine_options(o, role=role, rank=rank, shape=shape),
-            env=worker_environment(worker_env),
+            env=worker_environment(dict(conformance_settings.worker_env)),
             call_timeout_s=max(self.call_timeout_s, limit_s + 30.0),
         )
         with cluster:

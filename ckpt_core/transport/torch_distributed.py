@@ -208,8 +208,9 @@ class DistributedEngine(BucketedEngine):
     """A ``BucketedEngine`` over dedicated torch.distributed groups; subclasses pick the groups.
 
     Options (besides ``bucket_size`` and ``timeout_s``): ``checksum`` (xxh3 per bucket; default
-    off, as measured on 2 cores it cost 34-45% of a Gloo refit's time; turn it on across hosts
-    or to debug a transport, and subclasses with a cheaper checksum default it on), ``topology``
+    off, since on a host refit it takes a large share of the time (docs/reliability.md); turn it
+    on across hosts or to debug a transport, and subclasses with a cheaper checksum default it
+    on), ``topology``
     (``"broadcast"`` or ``"paired"``), ``host`` (the address this worker binds and advertises;
     default ``127.0.0.1``, set it to the node's address for multi-node runs), ``auth_token``
     (a shared secret checked at rendezvous, see :mod:`ckpt_core._internal.auth`; default: the
