@@ -64,11 +64,15 @@ def measure_copy(nbytes: int, device: torch.device, reps: int) -> dict[str, Any]
     try:
         seconds = _median_seconds(lambda: target.copy_(source), device, reps)
     finally:
-        del source, target
+        source = target = torch.empty(0)  # drop the buffers before emptying the cache
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return {"name": f"device-to-device copy_ ({format_size(nbytes)})", "seconds": seconds, "gbps": nbytes / seconds / 1e9,
-            "note": "bytes copied per second (each byte is read once and written once)"}
+    return {
+        "name": f"device-to-device copy_ ({format_size(nbytes)})",
+        "seconds": seconds,
+        "gbps": nbytes / seconds / 1e9,
+        "note": "bytes copied per second (each byte is read once and written once)",
+    }
 
 
 def measure_nccl_self_test(nbytes: int, device: torch.device, reps: int) -> list[dict[str, Any]]:
@@ -92,11 +96,17 @@ def measure_nccl_self_test(nbytes: int, device: torch.device, reps: int) -> list
             ):
                 seconds = _median_seconds(run_op, device, reps)
                 algbw = buffer.numel() * 4 / seconds / 1e9
-                rows.append({"name": f"NCCL {name}, 1 rank ({format_size(nbytes)})", "seconds": seconds, "gbps": algbw,
-                             "busbw_gbps": algbw * bus_factor,
-                             "note": f"algbw; busbw {algbw * bus_factor:.1f} GB/s (nccl-tests formula, 1 rank)"})
+                rows.append(
+                    {
+                        "name": f"NCCL {name}, 1 rank ({format_size(nbytes)})",
+                        "seconds": seconds,
+                        "gbps": algbw,
+                        "busbw_gbps": algbw * bus_factor,
+                        "note": f"algbw; busbw {algbw * bus_factor:.1f} GB/s (nccl-tests formula, 1 rank)",
+                    }
+                )
     finally:
-        del buffer
+        buffer = torch.empty(0)  # release the payload before the group goes
         for stop in ("shutdown", "abort"):
             try:
                 getattr(group, stop)()
@@ -110,16 +120,33 @@ def measure_nccl_self_test(nbytes: int, device: torch.device, reps: int) -> list
 def device_payload(size_bytes: int, device: str) -> Payload:
     """The transformer-shaped payload of ``size_bytes``, generated on ``device`` in the sender."""
     sizes = [torch.Size(shape).numel() * dtype.itemsize for _, shape, dtype in transformer_shapes(size_bytes)]
-    return Payload(label=format_size(size_bytes), payload_bytes=sum(sizes), tensors=len(sizes),
-                   largest_tensor_bytes=max(sizes), weights="benchmarks.weights:device_weights",
-                   weights_params={"size_bytes": size_bytes, "device": device})
+    return Payload(
+        label=format_size(size_bytes),
+        payload_bytes=sum(sizes),
+        tensors=len(sizes),
+        largest_tensor_bytes=max(sizes),
+        weights="benchmarks.weights:device_weights",
+        weights_params={"size_bytes": size_bytes, "device": device},
+    )
 
 
-def measure_cuda_ipc(payload: Payload, buckets: Sequence[int], device: str, reps: int, timeout_s: float) -> list[dict[str, Any]]:
+def measure_cuda_ipc(
+    payload: Payload, buckets: Sequence[int], device: str, reps: int, timeout_s: float
+) -> list[dict[str, Any]]:
     """cuda_ipc refits, 1 policy -> 1 rollout process, one row per bucket size."""
-    methods = [RefitMethod(key=f"ipc_{bucket}", label=f"cuda_ipc device={device} 1->1, bucket {format_size(bucket)}",
-                           backend="cuda_ipc", num_rollout=1, bucket_size=bucket, engine_kwargs={"device": device},
-                           topology="broadcast", timeout_s=timeout_s) for bucket in buckets]
+    methods = [
+        RefitMethod(
+            key=f"ipc_{bucket}",
+            label=f"cuda_ipc device={device} 1->1, bucket {format_size(bucket)}",
+            backend="cuda_ipc",
+            num_rollout=1,
+            bucket_size=bucket,
+            engine_kwargs={"device": device},
+            topology="broadcast",
+            timeout_s=timeout_s,
+        )
+        for bucket in buckets
+    ]
     try:
         records = run_phase(Phase("gpu", methods, [payload], reps), stderr_log(time.monotonic()))
     finally:
@@ -128,9 +155,16 @@ def measure_cuda_ipc(payload: Payload, buckets: Sequence[int], device: str, reps
     rows = []
     for record in records:
         case = summarize_case(record)
-        rows.append({"name": case["label"], "seconds": case["median_seconds"], "gbps": case["gbps"],
-                     "error": case["error"], "stats": case["stats"],
-                     "note": f"{payload.label} payload ({payload.tensors} tensors), end to end"})
+        rows.append(
+            {
+                "name": case["label"],
+                "seconds": case["median_seconds"],
+                "gbps": case["gbps"],
+                "error": case["error"],
+                "stats": case["stats"],
+                "note": f"{payload.label} payload ({payload.tensors} tensors), end to end",
+            }
+        )
     return rows
 
 
@@ -148,8 +182,12 @@ def render(rows: list[dict[str, Any]], copy_gbps: float | None, header: str) -> 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n")[0])
     parser.add_argument("--size", type=parse_size, default=1 << 30, help="payload and buffer size (default 1GiB)")
-    parser.add_argument("--buckets", type=parse_sizes, default=[64 << 20, 256 << 20],
-                        help="cuda_ipc bucket sizes (default 64MiB,256MiB)")
+    parser.add_argument(
+        "--buckets",
+        type=parse_sizes,
+        default=[64 << 20, 256 << 20],
+        help="cuda_ipc bucket sizes (default 64MiB,256MiB)",
+    )
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions (default 5)")
     parser.add_argument("--timeout", type=float, default=120.0, help="deadline of every worker call, seconds")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure to this JSON file")
@@ -177,8 +215,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rows and not rows[0].get("error"):
         copy_gbps = rows[0]["gbps"]
     rows += measure_cuda_ipc(device_payload(args.size, "cuda"), args.buckets, "cuda", args.reps, args.timeout)
-    header = (f"GPU benchmarks on {torch.cuda.get_device_name(device)} (torch {torch.__version__}, CUDA "
-              f"{torch.version.cuda}); medians of {args.reps} after a warm-up")
+    header = (
+        f"GPU benchmarks on {torch.cuda.get_device_name(device)} (torch {torch.__version__}, CUDA "
+        f"{torch.version.cuda}); medians of {args.reps} after a warm-up"
+    )
     print(render(rows, copy_gbps, header))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -52,7 +52,9 @@ class Phase:
 def run_phase(phase: Phase, log: Log) -> list[CaseRecord]:
     """Open the phase's methods that are not open yet, then measure; never raises for a
     method's failure. The caller closes the methods (some outlive a phase)."""
-    records = {(m.key, p.label): CaseRecord(phase.group, m.describe(), p) for m in phase.methods for p in phase.payloads}
+    records = {
+        (m.key, p.label): CaseRecord(phase.group, m.describe(), p) for m in phase.methods for p in phase.payloads
+    }
     to_open = [m for m in phase.methods if m.pool is None]
     failed: set[str] = set()
     # Starting processes (interpreter, torch import, rendezvous) dominates a phase's set-up;
@@ -81,8 +83,10 @@ def run_phase(phase: Phase, log: Log) -> list[CaseRecord]:
                     continue
                 records[method.key, payload.label].samples.append(sample)
                 gbps = payload.payload_bytes / sample.seconds / 1e9 if sample.seconds > 0 else 0.0
-                log(f"{phase.group}, {payload.label}, rep {rep}/{phase.reps}: {method.label} {method.shape}: "
-                    f"{sample.seconds:.3f}s, {gbps:.2f} GB/s")
+                log(
+                    f"{phase.group}, {payload.label}, rep {rep}/{phase.reps}: {method.label} {method.shape}: "
+                    f"{sample.seconds:.3f}s, {gbps:.2f} GB/s"
+                )
     return list(records.values())
 
 
@@ -98,16 +102,29 @@ def _open(method: Method, group: str, log: Log) -> str | None:
     return None
 
 
-def _drop(alive: list[Method], records: dict[tuple[str, str], CaseRecord], method: Method, payload: Payload,
-          phase: Phase, exc: BaseException, log: Log) -> None:
-    remaining = list(phase.payloads)[list(phase.payloads).index(payload):]
+def _drop(
+    alive: list[Method],
+    records: dict[tuple[str, str], CaseRecord],
+    method: Method,
+    payload: Payload,
+    phase: Phase,
+    exc: BaseException,
+    log: Log,
+) -> None:
+    remaining = list(phase.payloads)[list(phase.payloads).index(payload) :]
     _fail(records, method, remaining, describe_error(exc), log, phase.group)
     alive.remove(method)
     method.close()
 
 
-def _fail(records: dict[tuple[str, str], CaseRecord], method: Method, payloads: Sequence[Payload], error: str,
-          log: Log, group: str) -> None:
+def _fail(
+    records: dict[tuple[str, str], CaseRecord],
+    method: Method,
+    payloads: Sequence[Payload],
+    error: str,
+    log: Log,
+    group: str,
+) -> None:
     log(f"{group}: {method.label} FAILED: {error.splitlines()[0] if error else ''}")
     for payload in payloads:
         record = records[method.key, payload.label]

@@ -117,8 +117,13 @@ class Method(abc.ABC):
             pool.close()
 
     def describe(self) -> dict[str, Any]:
-        return {"key": self.key, "label": self.label, "kind": self.kind, "shape": self.shape,
-                "bucket_size": self.bucket_size}
+        return {
+            "key": self.key,
+            "label": self.label,
+            "kind": self.kind,
+            "shape": self.shape,
+            "bucket_size": self.bucket_size,
+        }
 
 
 class RefitMethod(Method):
@@ -216,8 +221,16 @@ class FloorMethod(Method):
 
     kind = "floor"
 
-    def __init__(self, *, key: str, label: str, topology: str, num_receivers: int, timeout_s: float,
-                 piece_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        key: str,
+        label: str,
+        topology: str,
+        num_receivers: int,
+        timeout_s: float,
+        piece_bytes: int | None = None,
+    ) -> None:
         super().__init__(timeout_s=timeout_s)
         self.key, self.label, self.topology = key, label, topology
         self.num_receivers = num_receivers
@@ -227,8 +240,10 @@ class FloorMethod(Method):
 
     def open(self) -> None:
         size = self.num_receivers + 1
-        specs = [{"service": "benchmarks.services:RawFloorWorker", "rank": r, "size": size,
-                  "timeout_s": self.timeout_s} for r in range(size)]
+        specs = [
+            {"service": "benchmarks.services:RawFloorWorker", "rank": r, "size": size, "timeout_s": self.timeout_s}
+            for r in range(size)
+        ]
         labels = ["raw sender"] + [f"raw receiver {r}" for r in range(1, size)]
         self._start(specs, labels)
         metadata = self._call("raw Gloo prepare", [(r, "prepare", {}) for r in range(size)])
@@ -296,10 +311,19 @@ class NaiveMethod(Method):
 
     def sample(self, payload: Payload) -> Sample:
         try:
-            (saved,) = self._call("save", [(0, "save", {"weights": payload.weights,
-                                                        "weights_params": payload.weights_params,
-                                                        "path": str(self.path)})])
-            loaded = self._call("load", [(r, "load", {"path": str(self.path)}) for r in range(1, self.num_receivers + 1)])
+            (saved,) = self._call(
+                "save",
+                [
+                    (
+                        0,
+                        "save",
+                        {"weights": payload.weights, "weights_params": payload.weights_params, "path": str(self.path)},
+                    )
+                ],
+            )
+            loaded = self._call(
+                "load", [(r, "load", {"path": str(self.path)}) for r in range(1, self.num_receivers + 1)]
+            )
         finally:
             self.path.unlink(missing_ok=True)
         for record in loaded:

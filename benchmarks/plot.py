@@ -38,7 +38,9 @@ def plot_throughput(doc: dict[str, Any], path: Path) -> None:
     payloads = [p["label"] for p in doc["payloads"]]
     buckets = sorted({c["bucket_size"] for c in cases if c["kind"] == "refit" and c["bucket_size"]})
     groups = {f"bucket {format_size(b)}": b for b in buckets}
-    fig, axes = plt.subplots(1, len(payloads), figsize=(max(11.0, 6.5 * len(payloads)), 6.0), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        1, len(payloads), figsize=(max(11.0, 6.5 * len(payloads)), 6.0), squeeze=False, sharey=True
+    )
     handles: dict[str, Any] = {}
     top = 0.0
     for ax, payload in zip(axes[0], payloads):
@@ -57,9 +59,13 @@ def plot_throughput(doc: dict[str, Any], path: Path) -> None:
             points.sort()
             first = next(c for c in mine if c["key"] == key)
             label = f"{first['label']} {first['shape']}"
-            (line,) = ax.plot([p[0] for p in points], [p[1] for p in points], label=label,
-                              linewidth=2.2 if key in ("gloo_paired", "gloo_broadcast", "ipc_1to1", "ipc_1to2") else 1.2,
-                              **_STYLE.get(key, {}))
+            (line,) = ax.plot(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                label=label,
+                linewidth=2.2 if key in ("gloo_paired", "gloo_broadcast", "ipc_1to1", "ipc_1to2") else 1.2,
+                **_STYLE.get(key, {}),
+            )
             handles.setdefault(label, line)
             top = max(top, max(p[1] for p in points))
         memcpy = [c["gbps"] for c in mine if c["key"] == "memcpy" and c["gbps"] is not None]
@@ -67,8 +73,14 @@ def plot_throughput(doc: dict[str, Any], path: Path) -> None:
             label = "memcpy, 1 thread (memory limit)"
             limit = statistics.median(memcpy)
             line = ax.axhline(limit, color="black", linewidth=1.5, label=label)
-            ax.annotate(f"memcpy limit {limit:.2f} GB/s", (0.99, limit), xycoords=("axes fraction", "data"),
-                        ha="right", va="bottom", fontsize=8.5)
+            ax.annotate(
+                f"memcpy limit {limit:.2f} GB/s",
+                (0.99, limit),
+                xycoords=("axes fraction", "data"),
+                ha="right",
+                va="bottom",
+                fontsize=8.5,
+            )
             handles.setdefault(label, line)
             top = max(top, limit)
         ax.set_xscale("log", base=2)

@@ -70,8 +70,16 @@ def _memory(record: CaseRecord) -> dict[str, Any]:
     workers: dict[str, dict[str, Any]] = {}
     for sample in record.samples:
         for w in sample.workers:
-            entry = workers.setdefault(w.label, {"label": w.label, "role": w.role, "rss_base_bytes": w.rss_base_bytes,
-                                                  "rss_peak_bytes": 0, "over_bytes": None})
+            entry = workers.setdefault(
+                w.label,
+                {
+                    "label": w.label,
+                    "role": w.role,
+                    "rss_base_bytes": w.rss_base_bytes,
+                    "rss_peak_bytes": 0,
+                    "over_bytes": None,
+                },
+            )
             entry["rss_peak_bytes"] = max(entry["rss_peak_bytes"], w.rss_peak_bytes)
             over = _over(w.role, w.rss_peak_bytes, w.rss_base_bytes, payload)
             entry["over_bytes"] = over if entry["over_bytes"] is None else max(entry["over_bytes"], over)
@@ -108,8 +116,10 @@ def _stats(record: CaseRecord) -> dict[str, dict[str, float]] | None:
                 per_role.setdefault(w.role, []).append(w.stats)
     if not per_role:
         return None
-    return {role: {f: statistics.median(s[f] for s in stats) for f in _STAT_FIELDS if f in stats[0]}
-            for role, stats in per_role.items()}
+    return {
+        role: {f: statistics.median(s[f] for s in stats) for f in _STAT_FIELDS if f in stats[0]}
+        for role, stats in per_role.items()
+    }
 
 
 def _ratio(case: dict[str, Any], base: dict[str, Any] | None) -> float | None:
@@ -142,8 +152,9 @@ def _check(case: dict[str, Any], value: float | None, limit: float, *, at_most: 
     return {"payload": case["payload"], "bucket_size": case["bucket_size"], "value": value, "limit": limit, "met": met}
 
 
-def _target(target_id: str, text: str, method: str, unit: str, checks: list[dict[str, Any]],
-            *, at_most: bool = False) -> dict[str, Any]:
+def _target(
+    target_id: str, text: str, method: str, unit: str, checks: list[dict[str, Any]], *, at_most: bool = False
+) -> dict[str, Any]:
     measured = [c for c in checks if c["met"] is not None]
     if not measured:
         met, worst = None, None
@@ -153,8 +164,16 @@ def _target(target_id: str, text: str, method: str, unit: str, checks: list[dict
             worst = max(measured, key=lambda c: c["value"] - c["limit"])
         else:
             worst = min(measured, key=lambda c: c["value"] / c["limit"] if c["limit"] else c["value"])
-    return {"id": target_id, "target": text, "method": method, "unit": unit, "met": met, "worst": worst,
-            "checks": checks, "unmeasured": len(checks) - len(measured)}
+    return {
+        "id": target_id,
+        "target": text,
+        "method": method,
+        "unit": unit,
+        "met": met,
+        "worst": worst,
+        "checks": checks,
+        "unmeasured": len(checks) - len(measured),
+    }
 
 
 def evaluate_targets(cases: list[dict[str, Any]], largest: dict[str, int]) -> list[dict[str, Any]]:
@@ -175,34 +194,69 @@ def evaluate_targets(cases: list[dict[str, Any]], largest: dict[str, int]) -> li
         return checks
 
     targets = [
-        _target("gloo_vs_raw", ">= 0.9x raw Gloo send/recv, buckets >= 64 MiB", "gloo_paired", "x",
-                ratio_checks("gloo_paired", "raw_gloo", 0.9, 64 * MiB)),
-        _target("gloo_vs_raw", ">= 0.9x raw Gloo broadcast, buckets >= 64 MiB", "gloo_broadcast", "x",
-                ratio_checks("gloo_broadcast", "raw_gloo", 0.9, 64 * MiB)),
+        _target(
+            "gloo_vs_raw",
+            ">= 0.9x raw Gloo send/recv, buckets >= 64 MiB",
+            "gloo_paired",
+            "x",
+            ratio_checks("gloo_paired", "raw_gloo", 0.9, 64 * MiB),
+        ),
+        _target(
+            "gloo_vs_raw",
+            ">= 0.9x raw Gloo broadcast, buckets >= 64 MiB",
+            "gloo_broadcast",
+            "x",
+            ratio_checks("gloo_broadcast", "raw_gloo", 0.9, 64 * MiB),
+        ),
     ]
     for key, gloo_key in (("ipc_1to1", "gloo_paired"), ("ipc_1to2", "gloo_broadcast")):
         targets.append(_target("ipc_vs_memcpy", ">= 0.5x memcpy", key, "x", ratio_checks(key, "memcpy", 0.5)))
-        targets.append(_target("ipc_vs_gloo", f">= 2x gloo_cpu ({gloo_key})", key, "x", gloo_ratio_checks(key, gloo_key)))
+        targets.append(
+            _target("ipc_vs_gloo", f">= 2x gloo_cpu ({gloo_key})", key, "x", gloo_ratio_checks(key, gloo_key))
+        )
     for key in ("gloo_paired", "gloo_broadcast", "ipc_1to1", "ipc_1to2"):
-        targets.append(_target("vs_naive", ">= 2x naive torch.save/torch.load", key, "x",
-                               ratio_checks(key, "naive_torch", 2.0)))
+        targets.append(
+            _target("vs_naive", ">= 2x naive torch.save/torch.load", key, "x", ratio_checks(key, "naive_torch", 2.0))
+        )
     per_tensor = [c for c in cases if c["group"] == PER_TENSOR_GROUP and c["kind"] == "refit"]
-    targets.append(_target(
-        "per_tensor", "<= 20 us per tensor end to end", "gloo_paired", "us",
-        [_check(c, c["median_seconds"] / c["tensors"] * 1e6 if c["median_seconds"] else None, 20.0, at_most=True)
-         for c in per_tensor], at_most=True))
+    targets.append(
+        _target(
+            "per_tensor",
+            "<= 20 us per tensor end to end",
+            "gloo_paired",
+            "us",
+            [
+                _check(c, c["median_seconds"] / c["tensors"] * 1e6 if c["median_seconds"] else None, 20.0, at_most=True)
+                for c in per_tensor
+            ],
+            at_most=True,
+        )
+    )
     for key in ("gloo_paired", "gloo_broadcast", "ipc_1to1", "ipc_1to2"):
         sender, receiver = [], []
         for c in of(key):
             memory = c["memory"] or {}
             bucket = c["bucket_size"]
-            sender.append(_check(c, _mib(memory.get("sender_over_weights_bytes")), (2 * bucket + SLACK) / MiB, at_most=True))
+            sender.append(
+                _check(c, _mib(memory.get("sender_over_weights_bytes")), (2 * bucket + SLACK) / MiB, at_most=True)
+            )
             limit = (2 * bucket + largest.get(c["payload"], 0) + SLACK) / MiB
             receiver.append(_check(c, _mib(memory.get("receiver_over_payload_bytes")), limit, at_most=True))
-        targets.append(_target("sender_memory", "sender peak RSS above weights <= 2 buckets + 64 MiB", key, "MiB",
-                               sender, at_most=True))
-        targets.append(_target("receiver_memory", "receiver peak RSS above what it yields <= 2 buckets + "
-                               "largest tensor + 64 MiB", key, "MiB", receiver, at_most=True))
+        targets.append(
+            _target(
+                "sender_memory", "sender peak RSS above weights <= 2 buckets + 64 MiB", key, "MiB", sender, at_most=True
+            )
+        )
+        targets.append(
+            _target(
+                "receiver_memory",
+                "receiver peak RSS above what it yields <= 2 buckets + largest tensor + 64 MiB",
+                key,
+                "MiB",
+                receiver,
+                at_most=True,
+            )
+        )
     return targets
 
 
@@ -284,7 +338,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
             "",
             "| | seconds | us per tensor |",
             "| --- | --- | --- |",
-            f"| ckpt-engine refit | {_num(per_tensor['refit_seconds'], 3)} | {_num(per_tensor['refit_us_per_tensor'], 1)} |",
+            f"| ckpt-engine refit | {_num(per_tensor['refit_seconds'], 3)} | "
+            f"{_num(per_tensor['refit_us_per_tensor'], 1)} |",
             f"| raw Gloo send/recv, same bytes as one tensor | {_num(per_tensor['raw_gloo_seconds'], 3)} | "
             f"{_num(per_tensor['raw_gloo_us_per_tensor'], 1)} |",
             "",
@@ -341,7 +396,8 @@ def _payload_tables(cases: list[dict[str, Any]], payload: str) -> list[str]:
             "",
             f"Baselines, {payload} (GB/s measured beside each bucket size's refits; median across them):",
             "",
-            "| baseline | shape | " + " | ".join(f"beside {g.removeprefix('bucket ')}" for g in groups)
+            "| baseline | shape | "
+            + " | ".join(f"beside {g.removeprefix('bucket ')}" for g in groups)
             + " | median | CPU s, sender / receiver | sender MiB over weights | receiver MiB over payload |",
             "| --- | --- | " + " | ".join("---" for _ in groups) + " | --- | --- | --- | --- |",
         ]
@@ -351,11 +407,14 @@ def _payload_tables(cases: list[dict[str, Any]], payload: str) -> list[str]:
             values = [c["gbps"] for c in row.values() if c["gbps"] is not None]
             median = f"{statistics.median(values):.2f}" if values else "n/a"
             memory = [c["memory"] for c in row.values() if c["memory"]]
-            lines.append(f"| {any_case['label']} | {any_case['shape']} | "
-                         + " | ".join(_gbps(row.get(g)) for g in groups) + f" | {median} | "
-                         f"{_cpu_text(_middle(list(row.values())))} | "
-                         f"{_max_mib(memory, 'sender_over_weights_bytes')} | "
-                         f"{_max_mib(memory, 'receiver_over_payload_bytes')} |")
+            lines.append(
+                f"| {any_case['label']} | {any_case['shape']} | "
+                + " | ".join(_gbps(row.get(g)) for g in groups)
+                + f" | {median} | "
+                f"{_cpu_text(_middle(list(row.values())))} | "
+                f"{_max_mib(memory, 'sender_over_weights_bytes')} | "
+                f"{_max_mib(memory, 'receiver_over_payload_bytes')} |"
+            )
     lines.append("")
     return lines
 
@@ -380,8 +439,22 @@ def _max_mib(memory: list[dict[str, Any]], field: str) -> str:
     return _mib_text(max(values)) if values else "-"
 
 
-_ORDER = ("gloo_paired", "gloo_paired_checksum", "gloo_broadcast", "ipc_1to1", "ipc_1to2", "raw_paired", "raw_paired_pieces", "raw_broadcast",
-          "memcpy", "memcpy_2proc", "memcpy_3proc", "naive_torch_1to1", "naive_torch_1to2", "naive_safetensors_1to1")
+_ORDER = (
+    "gloo_paired",
+    "gloo_paired_checksum",
+    "gloo_broadcast",
+    "ipc_1to1",
+    "ipc_1to2",
+    "raw_paired",
+    "raw_paired_pieces",
+    "raw_broadcast",
+    "memcpy",
+    "memcpy_2proc",
+    "memcpy_3proc",
+    "naive_torch_1to1",
+    "naive_torch_1to2",
+    "naive_safetensors_1to1",
+)
 
 
 def _order(key: str) -> int:
@@ -410,9 +483,12 @@ def _targets_table(targets: Iterable[dict[str, Any]]) -> list[str]:
             limit = f"{worst['limit']:.2f}{unit}" if unit == "x" else f"{worst['limit']:.1f} {unit}"
             worst_text = f"{value} (limit {limit}; {where})"
         missed = [c for c in t["checks"] if c["met"] is False]
-        missed_text = ", ".join(
-            c["payload"] + (f" @ {format_size(c['bucket_size'])}" if c["bucket_size"] else "") for c in missed
-        ) or "none"
+        missed_text = (
+            ", ".join(
+                c["payload"] + (f" @ {format_size(c['bucket_size'])}" if c["bucket_size"] else "") for c in missed
+            )
+            or "none"
+        )
         if t["unmeasured"]:
             missed_text += f" ({t['unmeasured']} not measured)"
         lines.append(f"| {t['target']} | {t['method']} | {result} | {worst_text} | {missed_text} |")

@@ -45,8 +45,16 @@ from .weights import Payload, small_payload, write_payload
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BUCKET_METHODS = ("gloo_paired", "gloo_paired_checksum", "gloo_broadcast", "ipc_1to1", "ipc_1to2", "raw_paired_pieces")
-BASELINE_METHODS = ("raw_paired", "raw_broadcast", "memcpy", "memcpy_2proc", "memcpy_3proc", "naive_torch_1to1",
-                    "naive_torch_1to2", "naive_safetensors_1to1")
+BASELINE_METHODS = (
+    "raw_paired",
+    "raw_broadcast",
+    "memcpy",
+    "memcpy_2proc",
+    "memcpy_3proc",
+    "naive_torch_1to1",
+    "naive_torch_1to2",
+    "naive_safetensors_1to1",
+)
 ALL_METHODS = BUCKET_METHODS + BASELINE_METHODS + ("per_tensor",)
 PER_TENSOR_BUCKET = 64 << 20
 
@@ -69,13 +77,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--payloads", type=parse_sizes, default=None, help="comma list (default 256MiB,1GiB)")
     parser.add_argument("--buckets", type=parse_sizes, default=None, help="comma list (default 16MiB,64MiB,256MiB)")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per case (default 5)")
-    parser.add_argument("--methods", default=",".join(ALL_METHODS),
-                        help=f"comma list of: {', '.join(ALL_METHODS)} (default all)")
+    parser.add_argument(
+        "--methods", default=",".join(ALL_METHODS), help=f"comma list of: {', '.join(ALL_METHODS)} (default all)"
+    )
     parser.add_argument("--per-tensor-count", type=int, default=20000, help="tensors in the overhead case")
     parser.add_argument("--per-tensor-bytes", type=parse_size, default=4096, help="bytes per tensor (default 4096)")
     parser.add_argument("--timeout", type=float, default=300.0, help="deadline of every worker call, seconds")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="output directory (default benchmarks/results, or results/tmp/quick with --quick)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output directory (default benchmarks/results, or results/tmp/quick with --quick)",
+    )
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     return parser
 
@@ -116,44 +129,111 @@ def _scratch_dir() -> Path:
 
 def _bucket_methods(bucket: int, selected: Sequence[str], timeout_s: float) -> list[Method]:
     made: dict[str, Method] = {
-        "gloo_paired": RefitMethod(key="gloo_paired", label="gloo_cpu paired", backend="gloo_cpu", num_rollout=1,
-                                   bucket_size=bucket, engine_kwargs={"topology": "paired"}, topology="paired",
-                                   timeout_s=timeout_s),
-        "gloo_paired_checksum": RefitMethod(key="gloo_paired_checksum", label="gloo_cpu paired, checksum=True",
-                                            backend="gloo_cpu", num_rollout=1, bucket_size=bucket,
-                                            engine_kwargs={"topology": "paired", "checksum": True},
-                                            topology="paired", timeout_s=timeout_s),
-        "gloo_broadcast": RefitMethod(key="gloo_broadcast", label="gloo_cpu broadcast", backend="gloo_cpu",
-                                      num_rollout=2, bucket_size=bucket, engine_kwargs={"topology": "broadcast"},
-                                      topology="broadcast", timeout_s=timeout_s),
-        "ipc_1to1": RefitMethod(key="ipc_1to1", label="cuda_ipc device=cpu", backend="cuda_ipc", num_rollout=1,
-                                bucket_size=bucket, engine_kwargs={"device": "cpu"}, topology="broadcast",
-                                timeout_s=timeout_s),
-        "ipc_1to2": RefitMethod(key="ipc_1to2", label="cuda_ipc device=cpu", backend="cuda_ipc", num_rollout=2,
-                                bucket_size=bucket, engine_kwargs={"device": "cpu"}, topology="broadcast",
-                                timeout_s=timeout_s),
-        "raw_paired_pieces": FloorMethod(key="raw_paired_pieces", label="raw Gloo send/recv in bucket pieces",
-                                         topology="paired", num_receivers=1, piece_bytes=bucket, timeout_s=timeout_s),
+        "gloo_paired": RefitMethod(
+            key="gloo_paired",
+            label="gloo_cpu paired",
+            backend="gloo_cpu",
+            num_rollout=1,
+            bucket_size=bucket,
+            engine_kwargs={"topology": "paired"},
+            topology="paired",
+            timeout_s=timeout_s,
+        ),
+        "gloo_paired_checksum": RefitMethod(
+            key="gloo_paired_checksum",
+            label="gloo_cpu paired, checksum=True",
+            backend="gloo_cpu",
+            num_rollout=1,
+            bucket_size=bucket,
+            engine_kwargs={"topology": "paired", "checksum": True},
+            topology="paired",
+            timeout_s=timeout_s,
+        ),
+        "gloo_broadcast": RefitMethod(
+            key="gloo_broadcast",
+            label="gloo_cpu broadcast",
+            backend="gloo_cpu",
+            num_rollout=2,
+            bucket_size=bucket,
+            engine_kwargs={"topology": "broadcast"},
+            topology="broadcast",
+            timeout_s=timeout_s,
+        ),
+        "ipc_1to1": RefitMethod(
+            key="ipc_1to1",
+            label="cuda_ipc device=cpu",
+            backend="cuda_ipc",
+            num_rollout=1,
+            bucket_size=bucket,
+            engine_kwargs={"device": "cpu"},
+            topology="broadcast",
+            timeout_s=timeout_s,
+        ),
+        "ipc_1to2": RefitMethod(
+            key="ipc_1to2",
+            label="cuda_ipc device=cpu",
+            backend="cuda_ipc",
+            num_rollout=2,
+            bucket_size=bucket,
+            engine_kwargs={"device": "cpu"},
+            topology="broadcast",
+            timeout_s=timeout_s,
+        ),
+        "raw_paired_pieces": FloorMethod(
+            key="raw_paired_pieces",
+            label="raw Gloo send/recv in bucket pieces",
+            topology="paired",
+            num_receivers=1,
+            piece_bytes=bucket,
+            timeout_s=timeout_s,
+        ),
     }
     return [made[k] for k in BUCKET_METHODS if k in selected]
 
 
 def _baseline_methods(selected: Sequence[str], scratch: Path, timeout_s: float) -> dict[str, Method]:
     made: dict[str, Method] = {
-        "raw_paired": FloorMethod(key="raw_paired", label="raw Gloo send/recv (floor)", topology="paired",
-                                  num_receivers=1, timeout_s=timeout_s),
-        "raw_broadcast": FloorMethod(key="raw_broadcast", label="raw Gloo broadcast (floor)", topology="broadcast",
-                                     num_receivers=2, timeout_s=timeout_s),
+        "raw_paired": FloorMethod(
+            key="raw_paired",
+            label="raw Gloo send/recv (floor)",
+            topology="paired",
+            num_receivers=1,
+            timeout_s=timeout_s,
+        ),
+        "raw_broadcast": FloorMethod(
+            key="raw_broadcast",
+            label="raw Gloo broadcast (floor)",
+            topology="broadcast",
+            num_receivers=2,
+            timeout_s=timeout_s,
+        ),
         "memcpy": MemcpyMethod(timeout_s=timeout_s),
         "memcpy_2proc": MemcpyMethod(processes=2, timeout_s=timeout_s),
         "memcpy_3proc": MemcpyMethod(processes=3, timeout_s=timeout_s),
-        "naive_torch_1to1": NaiveMethod(key="naive_torch_1to1", label="naive torch.save -> torch.load", fmt="torch",
-                                        num_receivers=1, scratch=scratch, timeout_s=timeout_s),
-        "naive_torch_1to2": NaiveMethod(key="naive_torch_1to2", label="naive torch.save -> torch.load", fmt="torch",
-                                        num_receivers=2, scratch=scratch, timeout_s=timeout_s),
-        "naive_safetensors_1to1": NaiveMethod(key="naive_safetensors_1to1",
-                                              label="naive safetensors save_file -> load_file + clone",
-                                              fmt="safetensors", num_receivers=1, scratch=scratch, timeout_s=timeout_s),
+        "naive_torch_1to1": NaiveMethod(
+            key="naive_torch_1to1",
+            label="naive torch.save -> torch.load",
+            fmt="torch",
+            num_receivers=1,
+            scratch=scratch,
+            timeout_s=timeout_s,
+        ),
+        "naive_torch_1to2": NaiveMethod(
+            key="naive_torch_1to2",
+            label="naive torch.save -> torch.load",
+            fmt="torch",
+            num_receivers=2,
+            scratch=scratch,
+            timeout_s=timeout_s,
+        ),
+        "naive_safetensors_1to1": NaiveMethod(
+            key="naive_safetensors_1to1",
+            label="naive safetensors save_file -> load_file + clone",
+            fmt="safetensors",
+            num_receivers=1,
+            scratch=scratch,
+            timeout_s=timeout_s,
+        ),
     }
     return {k: made[k] for k in BASELINE_METHODS if k in selected}
 
@@ -166,8 +246,16 @@ def _environment() -> dict[str, Any]:
     except (OSError, StopIteration):
         pass
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                                cwd=Path(__file__).resolve().parent).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                cwd=Path(__file__).resolve().parent,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {
@@ -212,9 +300,16 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
         if config["per_tensor_count"]:
             small = small_payload(config["per_tensor_count"], config["per_tensor_bytes"])
             refit = _bucket_methods(PER_TENSOR_BUCKET, ["gloo_paired"], config["timeout_s"])
-            floor = [baselines.get("raw_paired") or FloorMethod(key="raw_paired", label="raw Gloo send/recv (floor)",
-                                                               topology="paired", num_receivers=1,
-                                                               timeout_s=config["timeout_s"])]
+            floor = [
+                baselines.get("raw_paired")
+                or FloorMethod(
+                    key="raw_paired",
+                    label="raw Gloo send/recv (floor)",
+                    topology="paired",
+                    num_receivers=1,
+                    timeout_s=config["timeout_s"],
+                )
+            ]
             try:
                 records += run_phase(Phase(PER_TENSOR_GROUP, refit + floor, [small], config["reps"]), log)
             finally:

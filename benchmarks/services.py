@@ -3,7 +3,8 @@
 Every service reports when its side of a measurement started and ended as
 ``time.perf_counter()`` stamps: on Linux that is ``CLOCK_MONOTONIC``, one clock for every process
 of the machine, so "sender started" and "last receiver finished" of different processes
-subtract into an end-to-end time. Every service also reports the CPU time its process spent in the call (all threads), and its
+subtract into an end-to-end time. Every service also reports the CPU time its process spent in
+the call (all threads), and its
 resident memory: at
 construction (``rss_base_bytes``: interpreter and libraries, before any buffer or weight) and its
 peak during the call (``rss_peak_bytes``; the high-water mark is reset first, see
@@ -44,8 +45,12 @@ class _Measured:
 
     def _begin(self) -> dict[str, Any]:
         reset = reset_peak_rss()
-        return {"rss_base_bytes": self.rss_base_bytes, "rss_before_bytes": current_rss_bytes(),
-                "peak_is_per_call": reset, "cpu_seconds": time.process_time()}
+        return {
+            "rss_base_bytes": self.rss_base_bytes,
+            "rss_before_bytes": current_rss_bytes(),
+            "peak_is_per_call": reset,
+            "cpu_seconds": time.process_time(),
+        }
 
     @staticmethod
     def _end(record: dict[str, Any]) -> dict[str, Any]:
@@ -199,8 +204,9 @@ class NaiveWorker(_Measured):
 
             state = {name: tensor.clone() for name, tensor in load_file(path).items()}
         end = time.perf_counter()
-        record.update(started_at=start, ended_at=end, tensors=len(state),
-                      payload_bytes=sum(_nbytes(t) for t in state.values()))
+        record.update(
+            started_at=start, ended_at=end, tensors=len(state), payload_bytes=sum(_nbytes(t) for t in state.values())
+        )
         self._end(record)
         del state
         return record

@@ -69,7 +69,9 @@ def soak_weights(params: dict[str, Any], *, refit_index: int, rank: int) -> Iter
         made = []
         for i, nbytes in enumerate(params["sizes"]):
             dtype = _DTYPES[i % len(_DTYPES)]
-            raw = torch.randint(0, 256, (int(nbytes) // dtype.itemsize * dtype.itemsize,), dtype=torch.uint8, generator=generator)
+            raw = torch.randint(
+                0, 256, (int(nbytes) // dtype.itemsize * dtype.itemsize,), dtype=torch.uint8, generator=generator
+            )
             made.append((f"soak.{i}", raw.view(dtype)))
         _CACHE[key] = made
     for name, tensor in _CACHE[key]:
@@ -151,8 +153,12 @@ def run_soak(
         for role, pid in roles.items():
             samples[role].append(sample(pid))
         if log is not None and (index + 1) % max(1, refits // 10) == 0:
-            log(f"refit {index + 1}/{refits}: {seconds[-1]:.2f}s, "
-                + ", ".join(f"{r} RSS {s[-1]['rss_bytes'] / MIB:.0f} MiB fds {s[-1]['fds']}" for r, s in samples.items()))
+            log(
+                f"refit {index + 1}/{refits}: {seconds[-1]:.2f}s, "
+                + ", ".join(
+                    f"{r} RSS {s[-1]['rss_bytes'] / MIB:.0f} MiB fds {s[-1]['fds']}" for r, s in samples.items()
+                )
+            )
     elapsed = time.monotonic() - started
     coordinator.finalize()
     after_finalize = {role: sample(pid) for role, pid in roles.items()}
@@ -189,7 +195,9 @@ def run_soak(
         "dev_shm_new_entries": ours,
         "dev_shm_new_entries_of_other_programs": sorted(set(new_shm) - set(ours)),
         "ok": all(c["rss_growth_ok"] and c["fds_ok"] and c["shm_ok"] for c in checks.values()) and not ours,
-        "series": {role: [{"rss_bytes": s["rss_bytes"], "fds": s["fds"]} for s in series] for role, series in samples.items()},
+        "series": {
+            role: [{"rss_bytes": s["rss_bytes"], "fds": s["fds"]} for s in series] for role, series in samples.items()
+        },
     }
 
 
@@ -205,7 +213,8 @@ def summary(result: dict[str, Any]) -> str:
         f"({result['receive_seconds_median']:.2f} s receiving, {result['receive_gbps_median']:.2f} GB/s), "
         f"{result['seconds_total']:.0f} s in all.",
         "",
-        f"| process | RSS at refit {result['settle']} | RSS at refit {result['refits']} | growth | fds | /dev/shm held |",
+        f"| process | RSS at refit {result['settle']} | RSS at refit {result['refits']} "
+        "| growth | fds | /dev/shm held |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for role, c in result["checks"].items():
@@ -226,7 +235,9 @@ def summary(result: dict[str, Any]) -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--refits", type=int, default=200)
-    parser.add_argument("--payload", type=parse_size, default=256 * MIB, help="about this many bytes per refit (256MiB)")
+    parser.add_argument(
+        "--payload", type=parse_size, default=256 * MIB, help="about this many bytes per refit (256MiB)"
+    )
     parser.add_argument("--bucket", type=parse_size, default=64 * MIB, help="bucket size (64MiB)")
     parser.add_argument("--settle", type=int, default=10, help="refit from which growth is measured (10)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per lifecycle step (600)")
@@ -237,16 +248,26 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     specs, labels = refit_worker_specs(
-        backend="gloo_cpu", num_policy=1, num_rollout=1, bucket_size=args.bucket,
-        engine_kwargs={"timeout_s": args.timeout}, weights="benchmarks.soak:soak_weights",
+        backend="gloo_cpu",
+        num_policy=1,
+        num_rollout=1,
+        bucket_size=args.bucket,
+        engine_kwargs={"timeout_s": args.timeout},
+        weights="benchmarks.soak:soak_weights",
         weights_params={"sizes": payload_sizes(args.payload)},
     )
     root = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     load_before = os.getloadavg()[0]
     with LocalProcessPool(specs, labels=labels, env=env) as pool:
-        result = run_soak(coordinator_for(pool, timeout_s=args.timeout), pool, refits=args.refits,
-                          bucket_size=args.bucket, settle=args.settle, log=lambda m: print(m, flush=True))
+        result = run_soak(
+            coordinator_for(pool, timeout_s=args.timeout),
+            pool,
+            refits=args.refits,
+            bucket_size=args.bucket,
+            settle=args.settle,
+            log=lambda m: print(m, flush=True),
+        )
     result["machine"] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),

@@ -106,8 +106,9 @@ def mapped_weights(params: dict[str, Any], *, refit_index: int, rank: int) -> It
 def _small(count: int, nbytes: int) -> Weights:
     if count < 1 or nbytes < 4 or nbytes % 4:
         raise ValueError(f"need count >= 1 and nbytes a positive multiple of 4, got {count}, {nbytes}")
-    source = torch.randint(-(2**31), 2**31 - 1, (count, nbytes // 4), dtype=torch.int32,
-                           generator=torch.Generator().manual_seed(7)).view(torch.float32)
+    source = torch.randint(
+        -(2**31), 2**31 - 1, (count, nbytes // 4), dtype=torch.int32, generator=torch.Generator().manual_seed(7)
+    ).view(torch.float32)
     return tuple((f"blocks.{i}.weight", source[i].clone()) for i in range(count))
 
 
@@ -136,8 +137,9 @@ def _on_device(size_bytes: int, device: str, seed: int) -> Weights:
     weights = []
     for name, shape, dtype in transformer_shapes(size_bytes):
         nbytes = torch.Size(shape).numel() * dtype.itemsize
-        raw = torch.randint(-(2**31), 2**31 - 1, ((nbytes + 3) // 4,), dtype=torch.int32, generator=generator,
-                            device=target)
+        raw = torch.randint(
+            -(2**31), 2**31 - 1, ((nbytes + 3) // 4,), dtype=torch.int32, generator=generator, device=target
+        )
         weights.append((name, raw.view(torch.uint8)[:nbytes].view(dtype).reshape(shape).clone()))
     return tuple(weights)
 

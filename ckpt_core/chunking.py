@@ -121,14 +121,10 @@ def _place(used: int, remaining: int, align: int, bucket_size: int) -> tuple[int
 
 def _unpack_item(item: Any) -> tuple[str, torch.Tensor]:
     if not isinstance(item, tuple) or len(item) != 2:
-        raise UnsupportedTensorError(
-            f"weights must yield (name, tensor) pairs, got {type(item).__name__}"
-        )
+        raise UnsupportedTensorError(f"weights must yield (name, tensor) pairs, got {type(item).__name__}")
     name, tensor = item
     if not isinstance(name, str):
-        raise UnsupportedTensorError(
-            f"weight names must be strings, got {type(name).__name__} {name!r}"
-        )
+        raise UnsupportedTensorError(f"weight names must be strings, got {type(name).__name__} {name!r}")
     return name, check_transferable(name, tensor)
 
 

@@ -1,10 +1,10 @@
 """``ckpt-engine``: list installed backends, and benchmark a refit against the transport floor.
 
-    ckpt-engine list [--json]
-    ckpt-engine bench [--backend gloo_cpu] [--size 1GiB | --model PATH] [--bucket-size 64MiB]
-                      [--policy 1] [--rollout 2] [--topology broadcast] [--refits 3]
-                      [--option KEY=VALUE ...] [--launcher local|ray [--ray-address ADDR]]
-                      [--json PATH]
+ckpt-engine list [--json]
+ckpt-engine bench [--backend gloo_cpu] [--size 1GiB | --model PATH] [--bucket-size 64MiB]
+                  [--policy 1] [--rollout 2] [--topology broadcast] [--refits 3]
+                  [--option KEY=VALUE ...] [--launcher local|ray [--ray-address ADDR]]
+                  [--json PATH]
 """
 
 from __future__ import annotations
@@ -50,26 +50,45 @@ def _build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="refit between local processes and compare with raw Gloo")
     source = bench.add_mutually_exclusive_group()
-    source.add_argument("--size", type=parse_size, default=parse_size("1GiB"),
-                        help="total size of a synthetic transformer-shaped state dict (default 1GiB)")
+    source.add_argument(
+        "--size",
+        type=parse_size,
+        default=parse_size("1GiB"),
+        help="total size of a synthetic transformer-shaped state dict (default 1GiB)",
+    )
     source.add_argument("--model", help="a .safetensors file or a directory of them, streamed lazily")
     bench.add_argument("--backend", default="gloo_cpu", help="backend name or module:Class (default gloo_cpu)")
     bench.add_argument("--bucket-size", type=parse_size, default=parse_size("64MiB"), help="default 64MiB")
     bench.add_argument("--policy", type=int, default=1, help="policy processes (default 1)")
     bench.add_argument("--rollout", type=int, default=2, help="rollout processes (default 2)")
-    bench.add_argument("--topology", choices=("broadcast", "paired"), default=None,
-                       help="engine topology (default: the engine's own, broadcast for gloo_cpu)")
+    bench.add_argument(
+        "--topology",
+        choices=("broadcast", "paired"),
+        default=None,
+        help="engine topology (default: the engine's own, broadcast for gloo_cpu)",
+    )
     bench.add_argument("--device", default=None, help="engine device option, e.g. cpu for cuda_ipc")
     bench.add_argument("--refits", type=int, default=3, help="timed refits after one warm-up (default 3)")
-    bench.add_argument("--option", type=parse_option, action="append", default=[], metavar="KEY=VALUE",
-                       help="extra engine option (repeatable)")
+    bench.add_argument(
+        "--option",
+        type=parse_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra engine option (repeatable)",
+    )
     bench.add_argument("--timeout", type=float, default=300.0, help="engine timeout_s (default 300)")
     bench.add_argument("--no-baseline", action="store_true", help="skip the raw Gloo measurement")
     bench.add_argument("--no-progress", action="store_true", help="no live progress line")
-    bench.add_argument("--launcher", choices=("local", "ray"), default="local",
-                       help="run the workers as local processes (default) or as Ray actors")
-    bench.add_argument("--ray-address", default=None,
-                       help="with --launcher ray: join this Ray cluster (default: start a local one)")
+    bench.add_argument(
+        "--launcher",
+        choices=("local", "ray"),
+        default="local",
+        help="run the workers as local processes (default) or as Ray actors",
+    )
+    bench.add_argument(
+        "--ray-address", default=None, help="with --launcher ray: join this Ray cluster (default: start a local one)"
+    )
     bench.add_argument("--json", dest="json_path", help="write every figure to this JSON file")
     return parser
 
@@ -103,9 +122,17 @@ def _list(args: argparse.Namespace) -> int:
         else:
             status = "ok"
         caps = info.capabilities
-        rows.append((info.name, info.distribution, info.version, status,
-                     ",".join(caps.devices) if caps else "-", ",".join(caps.topologies) if caps else "-",
-                     ",".join(caps.placements) if caps else "-"))
+        rows.append(
+            (
+                info.name,
+                info.distribution,
+                info.version,
+                status,
+                ",".join(caps.devices) if caps else "-",
+                ",".join(caps.topologies) if caps else "-",
+                ",".join(caps.placements) if caps else "-",
+            )
+        )
     print(_table(rows))
     for note in notes:
         print(f"  {note}")
@@ -121,9 +148,17 @@ def _table(rows: list[tuple[Any, ...]]) -> str:
 
 def _bench(args: argparse.Namespace) -> int:
     from ckpt_core.bench.job import BenchConfig, run_bench
+    from ckpt_core.errors import BackendImportError, DuplicateBackendError, NotAnEngineError, UnknownBackendError
+    from ckpt_core.registry import resolve_backend
 
     if args.ray_address and args.launcher != "ray":
         _build_parser().error("--ray-address needs --launcher ray")
+    try:  # here, before any worker starts: a missing plugin is a one-line fix, not a worker's traceback
+        resolve_backend(args.backend)
+    except (UnknownBackendError, BackendImportError, DuplicateBackendError, NotAnEngineError) as exc:
+        default = " (the default backend)" if args.backend == "gloo_cpu" else ""
+        print(f"ckpt-engine bench: backend {args.backend!r}{default} cannot be used: {exc}", file=sys.stderr)
+        return 2
 
     engine_kwargs: dict[str, Any] = dict(args.option)
     engine_kwargs.setdefault("timeout_s", args.timeout)
@@ -152,21 +187,36 @@ def _bench(args: argparse.Namespace) -> int:
         with open(args.json_path, "w") as handle:
             json.dump(result, handle, indent=2)
         print(f"wrote {args.json_path}")
-    print(f"bit-exact: every received tensor matched its source ({result['tensors']} tensors x "
-          f"{config.num_rollout} ranks x {config.refits + 1} refits); {time.time() - started:.1f} s in all")
+    print(
+        f"bit-exact: every received tensor matched its source ({result['tensors']} tensors x "
+        f"{config.num_rollout} ranks x {config.refits + 1} refits); {time.time() - started:.1f} s in all"
+    )
     return 0
 
 
 def format_bench(result: dict[str, Any]) -> str:
     cfg = result["config"]
-    head = (f"{cfg['backend']} {cfg['topology']} {cfg['num_policy']}->{cfg['num_rollout']}, "
-            f"{result['payload_bytes'] / 2**20:.0f} MiB in {result['tensors']} tensors, "
-            f"bucket {cfg['bucket_size'] / 2**20:g} MiB, median of {cfg['refits']} refits")
-    rows: list[tuple[Any, ...]] = [("rank", "GB/s", "seconds", "pack s", "transfer s", "unpack s", "checksum s", "peak RSS MiB")]
+    head = (
+        f"{cfg['backend']} {cfg['topology']} {cfg['num_policy']}->{cfg['num_rollout']}, "
+        f"{result['payload_bytes'] / 2**20:.0f} MiB in {result['tensors']} tensors, "
+        f"bucket {cfg['bucket_size'] / 2**20:g} MiB, median of {cfg['refits']} refits"
+    )
+    rows: list[tuple[Any, ...]] = [
+        ("rank", "GB/s", "seconds", "pack s", "transfer s", "unpack s", "checksum s", "peak RSS MiB")
+    ]
     for entry in result["policy"] + result["rollout"]:
-        rows.append((entry["label"], f"{entry['gbps']:.2f}", f"{entry['seconds']:.3f}", f"{entry['pack_seconds']:.3f}",
-                     f"{entry['transfer_seconds']:.3f}", f"{entry['unpack_seconds']:.3f}",
-                     f"{entry['checksum_seconds']:.3f}", f"{entry['peak_rss_bytes'] / 2**20:.0f}"))
+        rows.append(
+            (
+                entry["label"],
+                f"{entry['gbps']:.2f}",
+                f"{entry['seconds']:.3f}",
+                f"{entry['pack_seconds']:.3f}",
+                f"{entry['transfer_seconds']:.3f}",
+                f"{entry['unpack_seconds']:.3f}",
+                f"{entry['checksum_seconds']:.3f}",
+                f"{entry['peak_rss_bytes'] / 2**20:.0f}",
+            )
+        )
     lines = [head, _table(rows)]
     floor = result.get("baseline")
     if floor:

@@ -63,9 +63,7 @@ class TensorMeta:
             raise WireFormatError(f"tensor metadata must be a mapping, got {type(data).__name__}")
         expected = {"name", "shape", "dtype", "chunk_offset", "chunk_size", "offset"}
         if set(data) != expected:
-            raise WireFormatError(
-                f"tensor metadata keys {sorted(data)} differ from the expected {sorted(expected)}"
-            )
+            raise WireFormatError(f"tensor metadata keys {sorted(data)} differ from the expected {sorted(expected)}")
         name = data["name"]
         shape, dtype, nbytes = tensor_geometry(name, data["shape"], data["dtype"])
         return checked_meta(name, shape, dtype, nbytes, data["chunk_offset"], data["chunk_size"], data["offset"])
@@ -139,8 +137,7 @@ class CheckpointEngine(abc.ABC):
         """
         if self.shard_expert_weights:
             raise LayoutUnavailableError(
-                f"{type(self).__name__} must implement get_target_weight_layout() when "
-                "shard_expert_weights is enabled."
+                f"{type(self).__name__} must implement get_target_weight_layout() when shard_expert_weights is enabled."
             )
         return None
 

@@ -84,9 +84,9 @@ def _register_checked(manager: pluggy.PluginManager, plugin: Any, name: str | No
 
 def _unknown_hook_message(manager: pluggy.PluginManager, plugin: Any, exc: Exception) -> str:
     known = sorted(name for name in dir(hookspecs) if name.startswith("ckpt_core_"))
-    unknown = sorted(
-        caller.name for caller in (manager.get_hookcallers(plugin) or []) if caller.name not in known
-    ) or [str(exc)]
+    unknown = sorted(caller.name for caller in (manager.get_hookcallers(plugin) or []) if caller.name not in known) or [
+        str(exc)
+    ]
     hints = []
     for hook in unknown:
         close = difflib.get_close_matches(hook, known, n=1)
@@ -126,9 +126,7 @@ class RefitNotifier:
                 context=context, bucket_index=bucket_index, nbytes=nbytes, num_chunks=num_chunks
             )
 
-    def bucket_received(
-        self, context: RefitContext, bucket_index: int, nbytes: int, num_chunks: int
-    ) -> None:
+    def bucket_received(self, context: RefitContext, bucket_index: int, nbytes: int, num_chunks: int) -> None:
         if self._hook.ckpt_core_bucket_received.get_hookimpls():
             self._hook.ckpt_core_bucket_received(
                 context=context, bucket_index=bucket_index, nbytes=nbytes, num_chunks=num_chunks

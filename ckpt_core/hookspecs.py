@@ -38,9 +38,7 @@ def ckpt_core_bucket_sent(context: RefitContext, bucket_index: int, nbytes: int,
 
 
 @hookspec
-def ckpt_core_bucket_received(
-    context: RefitContext, bucket_index: int, nbytes: int, num_chunks: int
-) -> None:
+def ckpt_core_bucket_received(context: RefitContext, bucket_index: int, nbytes: int, num_chunks: int) -> None:
     """A receiver holds bucket ``bucket_index`` whole, its header and checksum verified."""
 
 

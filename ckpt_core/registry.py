@@ -114,7 +114,7 @@ def list_backends(*, details: bool = False) -> list[BackendInfo]:
     this machine are filled in too.
     """
     infos = []
-    for name, entries in sorted(_entries().items()):
+    for _, entries in sorted(_entries().items()):
         for entry in entries:
             infos.append(_describe(entry, duplicates=entries, details=details))
     return infos
@@ -181,9 +181,7 @@ def _load_target(target: str, *, entry: BackendEntry | None) -> type[CheckpointE
         if obj is None:
             raise NotAnEngineError(f"{origin}: module {module_name!r} has no attribute {attribute!r}")
     if not (inspect.isclass(obj) and issubclass(obj, CheckpointEngine)):
-        raise NotAnEngineError(
-            f"{origin}: {target!r} is {obj!r}, not a subclass of ckpt_core.CheckpointEngine"
-        )
+        raise NotAnEngineError(f"{origin}: {target!r} is {obj!r}, not a subclass of ckpt_core.CheckpointEngine")
     if inspect.isabstract(obj):
         missing = ", ".join(sorted(obj.__abstractmethods__))
         raise NotAnEngineError(f"{origin}: {target!r} is abstract; it lacks {missing}")
@@ -229,9 +227,7 @@ def _duplicate_message(name: str, entries: list[BackendEntry]) -> str:
     )
 
 
-def build_engine(
-    backend: str, *, bucket_size_bytes: int, engine_kwargs: dict[str, Any]
-) -> CheckpointEngine:
+def build_engine(backend: str, *, bucket_size_bytes: int, engine_kwargs: dict[str, Any]) -> CheckpointEngine:
     """Resolve ``backend``, check the options against its constructor, and construct it."""
     if isinstance(bucket_size_bytes, bool) or not isinstance(bucket_size_bytes, int) or bucket_size_bytes < 1:
         raise InvalidArgumentError(f"bucket_size_bytes must be a positive int (bytes), got {bucket_size_bytes!r}")
@@ -267,8 +263,7 @@ def check_engine_kwargs(engine_class: type[CheckpointEngine], engine_kwargs: Any
             raise EngineOptionError(f"engine option names must be strings, got {key!r}")
         if key == "bucket_size":
             raise EngineOptionError(
-                "pass the bucket size as create_checkpoint_engine(bucket_size_bytes=...), "
-                "not in engine_kwargs"
+                "pass the bucket size as create_checkpoint_engine(bucket_size_bytes=...), not in engine_kwargs"
             )
         if accepted is not None and key not in accepted:
             close = difflib.get_close_matches(key, accepted, n=1)
@@ -286,9 +281,7 @@ def check_engine_kwargs(engine_class: type[CheckpointEngine], engine_kwargs: Any
         and name not in engine_kwargs
     ]
     if missing:
-        raise EngineOptionError(
-            f"{engine_class.__name__} requires option(s) {', '.join(missing)} in engine_kwargs"
-        )
+        raise EngineOptionError(f"{engine_class.__name__} requires option(s) {', '.join(missing)} in engine_kwargs")
 
 
 def create_checkpoint_engine(

@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator, Generator
 from typing import Any
 
 import torch
+
 from ckpt_gloo_cpu.engine import GlooCpuCheckpointEngine
 
 Batch = list[tuple[str, torch.Tensor]]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncGenerator, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from ckpt_core.errors import ChunkStreamError
 
 
 def chunks_of(weights: list[tuple[str, torch.Tensor]], bucket_size: int) -> list[Chunk]:
-    return list(split_weight_chunks(iter(weights), bucket_size))
+    return list(split_weight_chunks((item for item in weights), bucket_size))
 
 
 # --- batch boundaries ------------------------------------------------------------------------
@@ -100,7 +101,7 @@ def test_single_chunk_outputs_do_not_alias_the_chunk(rng: torch.Generator) -> No
     expected = source.clone()
     chunks = chunks_of([("w", source)], 1 << 20)
     assert len(chunks) == 1
-    (name, tensor), = flatten(merge_all([chunks]))
+    ((name, tensor),) = flatten(merge_all([chunks]))
     chunks[0][1].fill_(0)  # the chunk is a view of `source`
     assert_same_tensor(tensor, expected, name)
 
@@ -161,7 +162,7 @@ def make_stream(rng: torch.Generator) -> Stream:
     return Stream(done, first, rest)
 
 
-def replace_meta(chunk: Chunk, **changes: object) -> Chunk:
+def replace_meta(chunk: Chunk, **changes: Any) -> Chunk:
     return dataclasses.replace(chunk[0], **changes), chunk[1]
 
 

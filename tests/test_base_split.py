@@ -279,7 +279,7 @@ def _bad_items() -> list[tuple[str, object]]:
 @pytest.mark.parametrize("label,item", _bad_items(), ids=[label for label, _ in _bad_items()])
 def test_unsupported_items_raise(label: str, item: object, rng: torch.Generator) -> None:
     good = ("ok", random_tensor((2,), torch.float32, rng))
-    stream = split_weight_chunks(iter([good, item]), 64)  # type: ignore[list-item]
+    stream = split_weight_chunks((w for w in [good, item]), 64)  # type: ignore[misc]
     first = next(stream)
     assert first[0].name == "ok"
     with pytest.raises(UnsupportedTensorError):
@@ -316,8 +316,8 @@ def test_bounded_split_opens_a_bucket_every_max_chunks(rng: torch.Generator) -> 
     """The pipeline's layout: the same chunks as ``split_weight_chunks``, with a new bucket
     (offset 0) after every ``max_chunks`` chunks, so packed offsets equal layout offsets."""
     weights = [(f"w{i}", random_tensor((3,), torch.float32, rng)) for i in range(7)]
-    bounded = list(split_weight_chunks_bounded(iter(weights), 1 << 20, max_chunks=3))
-    plain = list(split_weight_chunks(iter(weights), 1 << 20))
+    bounded = list(split_weight_chunks_bounded((item for item in weights), 1 << 20, max_chunks=3))
+    plain = list(split_weight_chunks((item for item in weights), 1 << 20))
     assert [(m.name, m.chunk_offset, m.chunk_size) for m, _ in bounded] == [
         (m.name, m.chunk_offset, m.chunk_size) for m, _ in plain
     ]
@@ -326,4 +326,4 @@ def test_bounded_split_opens_a_bucket_every_max_chunks(rng: torch.Generator) -> 
     assert [len(b) for b in buckets] == [3, 3, 1]
     assert_same_weights(flatten(merge_all(buckets)), weights)
     with pytest.raises(ValueError, match="max_chunks must be an int >= 1"):
-        split_weight_chunks_bounded(iter(weights), 1 << 20, max_chunks=0)
+        split_weight_chunks_bounded((item for item in weights), 1 << 20, max_chunks=0)

@@ -25,10 +25,25 @@ def _log(message: str) -> None:
 
 
 def test_tiny_run_writes_a_complete_report(tmp_path: Path) -> None:
-    args = _parser().parse_args([
-        "--payloads", "8MiB", "--buckets", "4MiB", "--reps", "1", "--per-tensor-count", "0",
-        "--methods", "gloo_paired,raw_paired,memcpy,memcpy_2proc", "--no-plot", "--out", str(tmp_path), "--timeout", "120",
-    ])
+    args = _parser().parse_args(
+        [
+            "--payloads",
+            "8MiB",
+            "--buckets",
+            "4MiB",
+            "--reps",
+            "1",
+            "--per-tensor-count",
+            "0",
+            "--methods",
+            "gloo_paired,raw_paired,memcpy,memcpy_2proc",
+            "--no-plot",
+            "--out",
+            str(tmp_path),
+            "--timeout",
+            "120",
+        ]
+    )
     config = _config(args)
     doc = run(config)
     written = write_results(doc, tmp_path, plot=False)
@@ -77,8 +92,16 @@ def test_tiny_run_writes_a_complete_report(tmp_path: Path) -> None:
 
 def test_a_failing_backend_is_recorded_and_the_others_still_run(tmp_path: Path) -> None:
     payload = write_payload(tmp_path / "payload", 1 << 20, label="1 MiB")
-    broken = RefitMethod(key="broken", label="no such backend", backend="no_such_backend_for_bench", num_rollout=1,
-                         bucket_size=1 << 20, engine_kwargs={}, topology="broadcast", timeout_s=60.0)
+    broken = RefitMethod(
+        key="broken",
+        label="no such backend",
+        backend="no_such_backend_for_bench",
+        num_rollout=1,
+        bucket_size=1 << 20,
+        engine_kwargs={},
+        topology="broadcast",
+        timeout_s=60.0,
+    )
     memcpy = MemcpyMethod(timeout_s=60.0)
     try:
         records = run_phase(Phase("bucket 1 MiB", [broken, memcpy], [payload], reps=2), _log)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import xml.etree.ElementTree as ET
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -65,8 +66,12 @@ BROKEN_SUITE = """
 
 # Which kit tests each class runs (pytest -k), and which of them must fail.
 SELECTED = {
-    "TestDropsEmptyTensors": ("test_single_bucket_refit", "test_every_dtype", "test_zero_element_and_scalar_tensors",
-                              "test_many_tiny_tensors"),
+    "TestDropsEmptyTensors": (
+        "test_single_bucket_refit",
+        "test_every_dtype",
+        "test_zero_element_and_scalar_tensors",
+        "test_many_tiny_tensors",
+    ),
     "TestReordersBatches": ("test_single_bucket_refit", "test_multi_bucket_refit", "test_tensor_larger_than_bucket"),
     "TestSkipsDrain": ("test_every_policy_rank_drains_its_generator_once",),
     "TestNonJsonMetadata": ("test_prepare_metadata_is_plain_json", "test_finalize_is_idempotent"),
@@ -80,7 +85,9 @@ def _run_kit(tmp_path: Path) -> dict[str, tuple[str, str]]:
     suite = tmp_path / "test_broken_engines_kit.py"
     suite.write_text(textwrap.dedent(BROKEN_SUITE.format(tests_dir=str(TESTS_DIR))))
     select = " or ".join(
-        f"({cls} and {name.replace('[', ' and ').replace(']', '')})" for cls, names in SELECTED.items() for name in names
+        f"({cls} and {name.replace('[', ' and ').replace(']', '')})"
+        for cls, names in SELECTED.items()
+        for name in names
     )
     junit = tmp_path / "junit.xml"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -114,7 +121,9 @@ def _outcome(results: dict[str, tuple[str, str]], key: str) -> tuple[str, str]:
     return results[key]
 
 
-def test_dropped_zero_element_tensors_fail_the_dtype_and_empty_tests(broken_results: dict[str, tuple[str, str]]) -> None:
+def test_dropped_zero_element_tensors_fail_the_dtype_and_empty_tests(
+    broken_results: dict[str, tuple[str, str]],
+) -> None:
     for name in ("test_every_dtype[1p1r]", "test_zero_element_and_scalar_tensors[1p1r]"):
         outcome, text = _outcome(broken_results, f"TestDropsEmptyTensors::{name}")
         assert outcome == "failure", (name, outcome, text)
@@ -190,7 +199,7 @@ def test_shapes_are_validated_and_named() -> None:
             Shape.coerce(bad)  # type: ignore[arg-type]
 
 
-def _report(sent: dict[str, str], received: dict[str, str], consumption: dict[str, object]) -> RefitReport:
+def _report(sent: dict[str, str], received: dict[str, str], consumption: Mapping[str, object]) -> RefitReport:
     # The JSON round trip a worker reply takes keeps key order: that is what check_order reads.
     policy = json.loads(json.dumps({"digests": sent, "consumption": consumption}))
     return RefitReport(1, [policy], [json.loads(json.dumps({"digests": received}))])

@@ -91,8 +91,12 @@ def test_the_example_passes_the_conformance_kit(installed_example: tuple[Path, P
     not_passed = [c.get("name") for c in cases if len(c)]  # failure, error or skipped children
     assert not not_passed, f"kit tests that did not pass: {not_passed}\n{output}"
     names = {c.get("name", "").split("[")[0] for c in cases}
-    for expected in ("test_registry_finds_backend_by_name", "test_killed_peer_fails_refit_within_timeout",
-                     "test_every_policy_rank_drains_its_generator_once", "test_zero_element_and_scalar_tensors"):
+    for expected in (
+        "test_registry_finds_backend_by_name",
+        "test_killed_peer_fails_refit_within_timeout",
+        "test_every_policy_rank_drains_its_generator_once",
+        "test_zero_element_and_scalar_tensors",
+    ):
         assert expected in names, f"{expected} did not run: {sorted(names)}"  # fmt: skip
 
 

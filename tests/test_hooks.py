@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,9 +54,7 @@ class Recorder:
         self._add("bucket", context, index=bucket_index, nbytes=nbytes, chunks=num_chunks)
 
     @ckpt_core.hookimpl
-    def ckpt_core_bucket_received(
-        self, context: RefitContext, bucket_index: int, nbytes: int, num_chunks: int
-    ) -> None:
+    def ckpt_core_bucket_received(self, context: RefitContext, bucket_index: int, nbytes: int, num_chunks: int) -> None:
         self._add("bucket", context, index=bucket_index, nbytes=nbytes, chunks=num_chunks)
 
     @ckpt_core.hookimpl
@@ -99,7 +98,7 @@ def mixed_weights(rng: torch.Generator, scale: int = 1) -> list[tuple[str, torch
 
 def expected_buckets(weights: list[tuple[str, torch.Tensor]]) -> list[dict[str, Any]]:
     """Per bucket of the split layout: payload end, chunk count, tensors it completes."""
-    buckets = group_into_buckets(split_weight_chunks(iter(weights), BUCKET))
+    buckets = group_into_buckets(split_weight_chunks((item for item in weights), BUCKET))
     return [
         {
             "nbytes": max(m.offset + m.chunk_size for m, _ in b),  # type: ignore[operator]
@@ -123,7 +122,7 @@ def test_runtime_hook_observes_two_refits(recorder: Recorder, rng: torch.Generat
     try:
         refits = [mixed_weights(rng), mixed_weights(rng, scale=3)]
         for weights in refits:
-            outcome = run_refit(policy, rollout, lambda w=weights: iter(w))
+            outcome = run_refit(policy, rollout, functools.partial(iter, weights))
             assert_clean(outcome)
             assert_same_weights(outcome.received, weights)
     finally:
@@ -163,9 +162,7 @@ def test_unregistered_hook_sees_nothing(rng: torch.Generator) -> None:
 
 
 @pytest.mark.parametrize("direct_chunks", [False, True], ids=["packed", "direct-chunks"])
-def test_multi_bucket_refit_is_bit_exact_with_one_batch_per_bucket(
-    direct_chunks: bool, rng: torch.Generator
-) -> None:
+def test_multi_bucket_refit_is_bit_exact_with_one_batch_per_bucket(direct_chunks: bool, rng: torch.Generator) -> None:
     weights = mixed_weights(rng, scale=5)
     buckets = expected_buckets(weights)
     assert len(buckets) > 15
@@ -195,9 +192,8 @@ def test_direct_chunks_to_a_receiver_that_cannot_take_them_are_refused(rng: torc
     policy = MemoryEngine(bucket_size=BUCKET, direct_chunks=True)
     rollout = MemoryEngine(bucket_size=BUCKET)
     metadata = [policy.prepare(), rollout.prepare()]
-    sizes = {"train_world_size": 1, "rollout_world_size": 1, "metadata": metadata}
-    policy.init_policy_process_group(worker_rank=0, **sizes)
-    rollout.init_rollout_process_group(rollout_rank=0, **sizes)
+    policy.init_policy_process_group(worker_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata)
+    rollout.init_rollout_process_group(rollout_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata)
     try:
         outcome = run_refit(policy, rollout, lambda: iter([("big", random_tensor((BUCKET,), torch.float32, rng))]))
         assert isinstance(outcome.receive_error, WireFormatError)

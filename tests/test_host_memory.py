@@ -41,7 +41,9 @@ def test_prefault_while_another_thread_writes_loses_nothing() -> None:
     nbytes = 64 << 20
     tensor = empty_host(torch.Size([nbytes]), torch.uint8)
     source = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-    writer = threading.Thread(target=lambda: [tensor[i : i + (1 << 20)].copy_(source[i : i + (1 << 20)]) for i in range(0, nbytes, 1 << 20)])
+    writer = threading.Thread(
+        target=lambda: [tensor[i : i + (1 << 20)].copy_(source[i : i + (1 << 20)]) for i in range(0, nbytes, 1 << 20)]
+    )
     writer.start()
     prefault(tensor)
     writer.join()

@@ -16,7 +16,7 @@ HEAVY = ("nemo_automodel", "ray", "cupy", "transformers", "safetensors", "pynvml
 PROBE = """
     import json, sys
 
-    WATCHED = %r
+    WATCHED = WATCHED_MODULES
 
     def loaded():
         return sorted({m.split(".")[0] for m in sys.modules} & set(WATCHED))
@@ -25,9 +25,10 @@ PROBE = """
     after_import = loaded()
     names = ckpt_core.backend_names()
     after_names = loaded()
-    import ckpt_core.base, ckpt_core._internal.checksum, ckpt_core.transport.torch_distributed, ckpt_core._internal.dtypes, ckpt_core.transport.engine
-    import ckpt_core.errors, ckpt_core.hooks, ckpt_core._internal.pipeline, ckpt_core.registry, ckpt_core.transport.interfaces
-    import ckpt_core._internal.wire
+    import ckpt_core.base, ckpt_core.chunking, ckpt_core.contract, ckpt_core.errors, ckpt_core.hooks
+    import ckpt_core.registry, ckpt_core.transport.engine, ckpt_core.transport.interfaces
+    import ckpt_core.transport.torch_distributed, ckpt_core._internal.checksum, ckpt_core._internal.dtypes
+    import ckpt_core._internal.pipeline, ckpt_core._internal.wire
     after_core_modules = loaded()
     ckpt_core.hooks.plugin_manager()
     after_hooks = loaded()
@@ -44,7 +45,7 @@ PROBE = """
         "cuda_initialized": cuda_initialized,
         "after_resolve": after_resolve,
     }))
-""" % ((*PLUGINS, *HEAVY),)
+""".replace("WATCHED_MODULES", repr((*PLUGINS, *HEAVY)))
 
 
 @pytest.fixture(scope="module")

@@ -167,8 +167,21 @@ def test_rl_loop_example_runs(cluster: str) -> None:
 
 def test_bench_command_runs_on_ray(cluster: str, capsys: pytest.CaptureFixture[str]) -> None:
     # Ray is already initialized here, so the bench joins this cluster and leaves it running.
-    argv = ["bench", "--launcher", "ray", "--size", "1MiB", "--bucket-size", "256KiB", "--rollout", "1",
-            "--refits", "1", "--no-baseline", "--no-progress"]
+    argv = [
+        "bench",
+        "--launcher",
+        "ray",
+        "--size",
+        "1MiB",
+        "--bucket-size",
+        "256KiB",
+        "--rollout",
+        "1",
+        "--refits",
+        "1",
+        "--no-baseline",
+        "--no-progress",
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "gloo_cpu broadcast 1->1" in out and "bit-exact: every received tensor matched its source" in out
@@ -201,8 +214,9 @@ def test_an_actor_killed_mid_refit_is_one_error_naming_it(actors: list[Any]) -> 
     assert isinstance(error, RefitFailedError), error
     assert coordinator.weight_version == 0
     died = [f for f in error.failures if f.worker == victim_label]
-    assert len(died) == 1 and died[0].error_type.endswith("ActorDiedError")
-    assert f"{victim_label}: " in str(error) and "died" in died[0].message and "ray.kill" in died[0].message
+    assert len(died) == 1 and (died[0].error_type or "").endswith("ActorDiedError")
+    message = died[0].message or ""
+    assert f"{victim_label}: " in str(error) and "died" in message and "ray.kill" in message
     # The dead actor fails every later call at once, by name (the survivors are reset).
     dead = r"rollout rank 1 .*: ActorDiedError: the actor died, reset\(\) did not complete"
     with pytest.raises(RefitFailedError, match=dead) as again:

@@ -23,6 +23,7 @@ from ckpt_core.errors import (
     NotAnEngineError,
     UnknownBackendError,
 )
+from ckpt_core.transport import BucketedEngine
 
 # --- third-party distributions, in a subprocess ----------------------------------------------
 
@@ -106,11 +107,13 @@ DISTRIBUTIONS = [
     Distribution(
         "ckpt-test-external",
         {"ckpt_test_external_engine": EXTERNAL},
-        {BACKENDS: {
-            "external_mem": "ckpt_test_external_engine:ExternalEngine",
-            "external_seed": "ckpt_test_external_engine:SeedOnlyEngine",
-            "not_engine": "ckpt_test_external_engine:helper_function",
-        }},
+        {
+            BACKENDS: {
+                "external_mem": "ckpt_test_external_engine:ExternalEngine",
+                "external_seed": "ckpt_test_external_engine:SeedOnlyEngine",
+                "not_engine": "ckpt_test_external_engine:helper_function",
+            }
+        },
         version="1.2.3",
     ),  # fmt: skip
     Distribution(
@@ -119,7 +122,11 @@ DISTRIBUTIONS = [
         {BACKENDS: {"broken_mem": "ckpt_test_broken_engine:Engine"}},
     ),
     *(
-        Distribution(f"ckpt-test-dup-{x}", {f"ckpt_test_dup_{x}": DUPLICATE}, {BACKENDS: {"dup_mem": f"ckpt_test_dup_{x}:DupEngine"}})
+        Distribution(
+            f"ckpt-test-dup-{x}",
+            {f"ckpt_test_dup_{x}": DUPLICATE},
+            {BACKENDS: {"dup_mem": f"ckpt_test_dup_{x}:DupEngine"}},
+        )
         for x in "ab"
     ),
 ]
@@ -335,7 +342,8 @@ def test_module_class_name_targets() -> None:
     engine = create_checkpoint_engine(
         "ckpt_gloo_cpu.engine:GlooCpuCheckpointEngine", bucket_size_bytes=512, engine_kwargs={"topology": "paired"}
     )
-    assert type(engine).__name__ == "GlooCpuCheckpointEngine" and engine.bucket_size == 512
+    assert isinstance(engine, BucketedEngine) and type(engine).__name__ == "GlooCpuCheckpointEngine"
+    assert engine.bucket_size == 512
     engine = create_checkpoint_engine("ckpt_core.testing.memory:MemoryEngine", bucket_size_bytes=64, engine_kwargs={})
     assert type(engine).__name__ == "MemoryEngine"
 
@@ -434,6 +442,7 @@ def test_engine_receives_bucket_size(bucket_size_bytes: int) -> None:
     engine = create_checkpoint_engine(
         "gloo_cpu", bucket_size_bytes=bucket_size_bytes, engine_kwargs={"checksum": False}
     )
+    assert isinstance(engine, BucketedEngine)
     assert engine.bucket_size == bucket_size_bytes
     assert engine.checksum is False
 
@@ -450,3 +459,25 @@ def test_a_blocked_backend_is_neither_listed_nor_resolved(monkeypatch: pytest.Mo
     with pytest.raises(UnknownBackendError, match="'cuda_ipc': it is blocked by CKPT_CORE_BLOCK_PLUGINS"):
         resolve_backend("cuda_ipc")
     resolve_backend("gloo_cpu")
+
+
+def test_bench_without_its_default_backend_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``pip install ckpt-core`` alone, then ``ckpt-engine bench``: gloo_cpu is another
+    distribution. The installed entry points are those of this venv minus gloo_cpu's."""
+    from importlib import metadata
+
+    from ckpt_core import cli
+
+    real = metadata.entry_points
+
+    def without_gloo(**selection: Any) -> Any:
+        found = real(**selection)
+        return metadata.EntryPoints(ep for ep in found if ep.name != "gloo_cpu")
+
+    monkeypatch.setattr(metadata, "entry_points", without_gloo)
+    assert cli.main(["bench", "--size", "1MiB"]) == 2
+    err = capsys.readouterr().err
+    assert "'gloo_cpu' (the default backend) cannot be used" in err
+    assert "pip install ckpt-gloo-cpu" in err

@@ -33,12 +33,19 @@ def packed(weights: list[tuple[str, torch.Tensor]], bucket_size: int = 1 << 22) 
     buffer = torch.zeros(bucket_size, dtype=torch.uint8)
     assembler = ChunkAssembler()
     landings = []
-    for meta, chunk in split_weight_chunks(iter(weights), bucket_size):
+    for meta, chunk in split_weight_chunks((item for item in weights), bucket_size):
         assert meta.offset is not None
         buffer[meta.offset : meta.offset + meta.chunk_size] = chunk
         landings.append(assembler.plan(meta, CPU))
     assembler.finish()
     return buffer, landings
+
+
+def offsets_of(landings: list[Landing]) -> list[int]:
+    """Each landing's offset in the packed buffer (``packed`` placed every chunk)."""
+    offsets = [landing.meta.offset for landing in landings]
+    assert all(offset is not None for offset in offsets)
+    return [offset for offset in offsets if offset is not None]
 
 
 def land(buffer: torch.Tensor, landings: list[Landing], offsets: list[int]) -> list[tuple[str, torch.Tensor]]:
@@ -49,9 +56,11 @@ def land(buffer: torch.Tensor, landings: list[Landing], offsets: list[int]) -> l
 
 def test_small_tensors_land_bit_exact_in_order_sharing_storages() -> None:
     rng = torch.Generator().manual_seed(0)
-    weights = [(f"w{i}", random_tensor(shape, dtype, rng)) for i in range(30) for shape, dtype in [SHAPES_AND_DTYPES[i % 10]]]
+    weights = [
+        (f"w{i}", random_tensor(shape, dtype, rng)) for i in range(30) for shape, dtype in [SHAPES_AND_DTYPES[i % 10]]
+    ]
     buffer, landings = packed(weights)
-    landed = land(buffer, landings, [landing.meta.offset for landing in landings])
+    landed = land(buffer, landings, offsets_of(landings))
 
     assert [name for name, _ in landed] == [name for name, _ in weights]
     for (name, actual), (_, expected) in zip(landed, weights):
@@ -70,7 +79,7 @@ def test_a_run_longer_than_one_storage_is_split() -> None:
     count = 3 * SHARED_STORAGE_BYTES // (60 << 10) + 1
     weights = [(f"big{i}", random_tensor((15 << 10,), torch.float32, rng)) for i in range(count)]  # 60 KiB each
     buffer, landings = packed(weights, bucket_size=8 << 20)
-    landed = land(buffer, landings, [landing.meta.offset for landing in landings])
+    landed = land(buffer, landings, offsets_of(landings))
     for (name, actual), (_, expected) in zip(landed, weights):
         assert_same_tensor(actual, expected, name)
     storages = {tensor.untyped_storage().data_ptr() for _, tensor in landed}
@@ -83,7 +92,7 @@ def test_offsets_that_go_backwards_start_a_new_run() -> None:
     rng = torch.Generator().manual_seed(2)
     weights = [(f"w{i}", random_tensor((16,), torch.int32, rng)) for i in range(4)]
     buffer, landings = packed(weights)
-    offsets = [landing.meta.offset for landing in landings]
+    offsets = offsets_of(landings)
     # Move the first tensor's bytes after the last one's, and say so.
     first, last_end = offsets[0], offsets[-1] + 64
     buffer[last_end : last_end + 64] = buffer[first : first + 64].clone()

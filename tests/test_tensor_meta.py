@@ -27,7 +27,7 @@ def test_fields_follow_the_seed() -> None:
 def test_an_engine_may_assign_offsets_to_split_metas() -> None:
     """NeMo RL's NIXL engine lays out its own buckets: it sets ``meta.offset`` on each meta
     ``split_weight_chunks`` yields, so a meta must take the assignment (as NeMo RL's does)."""
-    (meta, chunk), = split_weight_chunks(iter([("w", torch.ones(4))]), 64)
+    ((meta, chunk),) = split_weight_chunks((item for item in [("w", torch.ones(4))]), 64)
     meta.offset = 32
     assert meta.offset == 32 and meta == TensorMeta("w", torch.Size([4]), torch.float32, 0, 16, 32)
     assert chunk.numel() == 16
@@ -41,7 +41,7 @@ def test_an_engine_may_assign_offsets_to_split_metas() -> None:
         ([0, 7], torch.complex128, 0),
         ([2, 3], torch.bool, 6),
         ([4], torch.complex32, 16),
-        ([9], torch.uint4, 9),
+        ([9], torch.uint4, 9),  # type: ignore[attr-defined]  # torch's stubs omit the sub-byte dtypes
         ([1024, 1024], torch.bfloat16, 2 << 20),
     ],
 )

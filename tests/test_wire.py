@@ -23,7 +23,7 @@ def sample_header(rng: torch.Generator) -> BucketHeader:
     weights = [(f"w.{i}", random_tensor((3,), d, rng)) for i, d in enumerate(transferable_dtypes())]
     weights.insert(1, ("empty", torch.empty(0, 2)))
     weights.insert(2, ("scalar", torch.tensor(1.5, dtype=torch.float64)))
-    bucket = group_into_buckets(split_weight_chunks(iter(weights), BUCKET))[0]
+    bucket = group_into_buckets(split_weight_chunks((item for item in weights), BUCKET))[0]
     metas = tuple(m for m, _ in bucket)
     end = max(m.offset + m.chunk_size for m in metas)  # type: ignore[operator]
     return BucketHeader(3, 7, end, False, metas, checksum=2**64 - 1)
@@ -56,7 +56,10 @@ def test_round_trip(rng: torch.Generator) -> None:
             1, 1, BUCKET, False, (TensorMeta("big", torch.Size([1000]), torch.uint8, 256, 256, 0),), checksum=0
         ),
         BucketHeader(
-            1, 1, 4, False,
+            1,
+            1,
+            4,
+            False,
             (
                 TensorMeta("small", torch.Size([1]), torch.int32, 0, 4, 0),
                 TensorMeta("big", torch.Size([BUCKET]), torch.uint8, 0, BUCKET, None),
@@ -147,7 +150,12 @@ REJECTED: dict[str, Any] = {
     "direct chunks past the bucket size": _mutated(
         lambda d: [
             d[column].__setitem__(0, value)
-            for column, value in [("shapes", [BUCKET + 1]), ("dtypes", "uint8"), ("chunk_sizes", BUCKET + 1), ("offsets", None)]
+            for column, value in [
+                ("shapes", [BUCKET + 1]),
+                ("dtypes", "uint8"),
+                ("chunk_sizes", BUCKET + 1),
+                ("offsets", None),
+            ]
         ]
     ),
     "offset bool": _set_column("offsets", 0, False),

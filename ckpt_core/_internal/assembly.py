@@ -241,8 +241,7 @@ class ChunkAssembler:
         end = meta.chunk_offset + meta.chunk_size
         if end > first.nbytes:
             raise ChunkStreamError(
-                f"tensor {first.name!r}: chunk [{meta.chunk_offset}, {end}) runs past the "
-                f"tensor's {first.nbytes} bytes"
+                f"tensor {first.name!r}: chunk [{meta.chunk_offset}, {end}) runs past the tensor's {first.nbytes} bytes"
             )
         pending.planned = end
         output = None

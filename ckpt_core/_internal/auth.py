@@ -89,4 +89,6 @@ def answer_challenge(store: Any, token: bytes | None, identity: str, host: str) 
         )
     outcome = _get(store, "auth/outcome")
     if outcome != "ok":
-        raise AuthenticationError(f"{host} {outcome}; this worker ({identity}) was accepted, but the refit group cannot form")
+        raise AuthenticationError(
+            f"{host} {outcome}; this worker ({identity}) was accepted, but the refit group cannot form"
+        )

@@ -42,8 +42,7 @@ def device_payload_checksum(payload: torch.Tensor) -> int:
     """
     if payload.dtype != torch.uint8 or payload.dim() != 1:
         raise ValueError(
-            f"device_payload_checksum takes a 1-D uint8 tensor, got {payload.dtype} of shape "
-            f"{list(payload.shape)}"
+            f"device_payload_checksum takes a 1-D uint8 tensor, got {payload.dtype} of shape {list(payload.shape)}"
         )
     nbytes = payload.numel()
     if not payload.is_contiguous() or payload.storage_offset() % 8:

@@ -47,17 +47,14 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 def transferable_dtypes() -> list[torch.dtype]:
     """Every dtype of this torch build whose tensors can be moved as raw bytes."""
-    return sorted(
-        (d for n, d in _dtypes_by_name().items() if n not in _QUANTIZED), key=dtype_name
-    )
+    return sorted((d for n, d in _dtypes_by_name().items() if n not in _QUANTIZED), key=dtype_name)
 
 
 def check_transferable(name: str, tensor: object) -> torch.Tensor:
     """Return ``tensor`` if it can be moved as plain bytes, else raise ``UnsupportedTensorError``."""
     if not isinstance(tensor, torch.Tensor):
         raise UnsupportedTensorError(
-            f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor; "
-            "yield (name, tensor) pairs"
+            f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor; yield (name, tensor) pairs"
         )
     if tensor.is_quantized:
         raise UnsupportedTensorError(
@@ -71,7 +68,5 @@ def check_transferable(name: str, tensor: object) -> torch.Tensor:
             "sent: call .to_dense() first"
         )
     if tensor.is_meta:
-        raise UnsupportedTensorError(
-            f"weight {name!r} is on the meta device and has no data; materialize it first"
-        )
+        raise UnsupportedTensorError(f"weight {name!r} is on the meta device and has no data; materialize it first")
     return tensor

@@ -11,7 +11,8 @@ copy into fresh 4 KiB pages runs several times slower than into warm memory
   pool, and the next tensor of the same size (rounded up to a page, or to 2 MiB with huge
   pages) reuses it, already faulted in. A full pool makes room for a newly freed block by
   dropping its oldest ones. Memory use is also steadier than through the C
-  allocator, whose heap kept a few MiB more or less from one refit to the next. The pool keeps at most ``CKPT_CORE_HOST_POOL_BYTES`` (default 1 GiB; 0 turns it off);
+  allocator, whose heap kept a few MiB more or less from one refit to the next. The pool keeps
+  at most ``CKPT_CORE_HOST_POOL_BYTES`` (default 1 GiB; 0 turns it off);
   :func:`release_host_pool` empties it, and so does ``finalize()`` of an engine built with
   ``release_after_refit=True``. A loader that
   drops each batch after loading it keeps only a few buckets' worth in the pool. A receiver

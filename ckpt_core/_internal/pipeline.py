@@ -368,8 +368,7 @@ class _BucketStream:
         header = decode_header(raw, bucket_size=refit.bucket_size)
         if header.abort is not None:
             raise RemoteRefitError(
-                f"the sender aborted refit {header.refit_index} at bucket {header.bucket_index}: "
-                f"{header.abort}"
+                f"the sender aborted refit {header.refit_index} at bucket {header.bucket_index}: {header.abort}"
             )
         if (header.refit_index, header.bucket_index) != (refit.context.refit_index, bucket_index):
             raise WireFormatError(
@@ -454,4 +453,3 @@ class _BucketStream:
 
     async def _hand_out(self) -> None:
         await asyncio.sleep(0)  # let the caller's event loop breathe between buckets
-

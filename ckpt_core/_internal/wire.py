@@ -2,7 +2,8 @@
 
 A header lists the bucket's chunks column by column (names, shapes, dtypes, chunk offsets and
 sizes, offsets in the packed payload, ``null`` for a direct chunk), which keeps encoding and
-decoding cheap for buckets of many tiny tensors. Decoding treats the bytes as untrusted: every field is type- and range-checked, and
+decoding cheap for buckets of many tiny tensors. Decoding treats the bytes as untrusted: every
+field is type- and range-checked, and
 every chunk must lie inside the payload, before anything is built from it. No pickle anywhere.
 """
 
@@ -36,7 +37,8 @@ class BucketHeader:
 
     ``payload_nbytes`` bytes of the bucket buffer carry packed data; a chunk's ``offset``
     places it inside them, or is ``None`` for a direct chunk, which travels as a message of its
-    own after the packed payload (see :mod:`ckpt_core.transport.interfaces`). ``last`` marks the refit's final bucket. ``checksum`` is the digest of the packed
+    own after the packed payload (see :mod:`ckpt_core.transport.interfaces`). ``last`` marks the
+    refit's final bucket. ``checksum`` is the digest of the packed
     payload and the direct chunks (see ``ckpt_core._internal.pipeline.bucket_digest``), or ``None`` when
     the sender has checksums off. ``abort`` carries the sender's error message
     when it gave up on the refit; such a header has no chunks and no payload.

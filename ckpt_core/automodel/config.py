@@ -85,9 +85,7 @@ class CheckpointingConfig:
             )
         for name in ("save_consolidated", "is_peft", "is_async"):
             if not isinstance(getattr(self, name), bool):
-                raise TypeError(
-                    f"CheckpointingConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}."
-                )
+                raise TypeError(f"CheckpointingConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}.")
         if self.model_cache_dir is not None and not isinstance(self.model_cache_dir, (str, os.PathLike)):
             raise TypeError(
                 "CheckpointingConfig.model_cache_dir must be a path or None, "

@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping, Sequence
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -139,8 +139,8 @@ class AutomodelCheckpointManager:
         self,
         dp_mesh: DeviceMesh,
         tp_mesh: DeviceMesh,
-        model_state_dict_keys: Optional[list[str]] = None,
-        moe_mesh: Optional[DeviceMesh] = None,
+        model_state_dict_keys: list[str] | None = None,
+        moe_mesh: DeviceMesh | None = None,
     ) -> None:
         """Initialize the AutomodelCheckpointManager.
 
@@ -159,9 +159,9 @@ class AutomodelCheckpointManager:
         self.dp_mesh = dp_mesh
         self.tp_mesh = tp_mesh
         self.moe_mesh = moe_mesh
-        self.checkpointer: Optional[Checkpointer] = None
-        self.checkpoint_config: Optional[NemoCheckpointingConfig] = None
-        self.model_state_dict_keys: Optional[list[str]] = None
+        self.checkpointer: Checkpointer | None = None
+        self.checkpoint_config: NemoCheckpointingConfig | None = None
+        self.model_state_dict_keys: list[str] | None = None
         if model_state_dict_keys is not None:
             self.set_model_state_dict_keys(model_state_dict_keys)
 
@@ -177,8 +177,8 @@ class AutomodelCheckpointManager:
 
     def init_checkpointer(
         self,
-        config_updates: Optional[dict[str, Any]] = None,
-        checkpoint_root: Optional[str] = None,
+        config_updates: dict[str, Any] | None = None,
+        checkpoint_root: str | None = None,
     ) -> None:
         """Initialize the Automodel Checkpointer if not already created.
 
@@ -216,8 +216,8 @@ class AutomodelCheckpointManager:
 
     def update_checkpointer_config(
         self,
-        config_updates: Optional[dict[str, Any]] = None,
-        checkpoint_root: Optional[str] = None,
+        config_updates: dict[str, Any] | None = None,
+        checkpoint_root: str | None = None,
     ) -> None:
         """Update the configuration of an existing Checkpointer.
 
@@ -285,7 +285,7 @@ class AutomodelCheckpointManager:
             self.checkpointer.config.model_state_dict_keys = self.model_state_dict_keys
 
     @staticmethod
-    def _validated_updates(config_updates: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+    def _validated_updates(config_updates: Mapping[str, Any] | None) -> dict[str, Any]:
         if config_updates is None:
             return {}
         if not isinstance(config_updates, Mapping):
@@ -352,9 +352,9 @@ class AutomodelCheckpointManager:
         self,
         model: nn.Module,
         model_name: str,
-        hf_cache_dir: Optional[str] = None,
+        hf_cache_dir: str | None = None,
         dequantize_base_checkpoint: bool = False,
-        peft_init_method: Optional[str] = None,
+        peft_init_method: str | None = None,
     ) -> None:
         """Load base model weights using the Automodel Checkpointer.
 
@@ -409,14 +409,14 @@ class AutomodelCheckpointManager:
         self,
         model: nn.Module,
         weights_path: str,
-        optimizer: Optional[torch.optim.Optimizer] = None,
-        optimizer_path: Optional[str] = None,
-        scheduler: Optional[LRScheduler] = None,
-        tokenizer: Optional[PreTrainedTokenizerBase] = None,
-        tokenizer_path: Optional[str] = None,
-        checkpointing_cfg: Optional[CheckpointingConfig] = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        optimizer_path: str | None = None,
+        scheduler: LRScheduler | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        tokenizer_path: str | None = None,
+        checkpointing_cfg: CheckpointingConfig | None = None,
         lora_enabled: bool = False,
-        peft_config: Optional[PeftConfig] = None,
+        peft_config: PeftConfig | None = None,
     ) -> None:
         """Save a checkpoint of the model.
 
@@ -480,7 +480,7 @@ class AutomodelCheckpointManager:
             _wait_for_rank0()
 
     @staticmethod
-    def _peft_mode(cfg: CheckpointingConfig, lora_enabled: bool, peft_config: Optional[PeftConfig]) -> bool:
+    def _peft_mode(cfg: CheckpointingConfig, lora_enabled: bool, peft_config: PeftConfig | None) -> bool:
         is_peft = bool(lora_enabled) or cfg.is_peft
         if is_peft and peft_config is None:
             raise ValueError(
@@ -512,9 +512,9 @@ class AutomodelCheckpointManager:
         self,
         model: nn.Module,
         weights_path: str,
-        optimizer: Optional[torch.optim.Optimizer] = None,
-        optimizer_path: Optional[str] = None,
-        scheduler: Optional[LRScheduler] = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        optimizer_path: str | None = None,
+        scheduler: LRScheduler | None = None,
     ) -> None:
         """Load a checkpoint into the model using Automodel Checkpointer.
 
@@ -566,4 +566,3 @@ class AutomodelCheckpointManager:
         else:
             self.update_checkpointer_config(config_updates=updates, checkpoint_root=root)
         return self._require_checkpointer("load a checkpoint")
-

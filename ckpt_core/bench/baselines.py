@@ -34,15 +34,17 @@ class RawGlooWorker:
             return {}
         listener = socket.create_server((self.host, 0))
         port = listener.getsockname()[1]
-        self._store = dist.TCPStore(self.host, port, None, True, self.timeout, wait_for_workers=False,
-                                    master_listen_fd=listener.detach())
+        self._store = dist.TCPStore(
+            self.host, port, None, True, self.timeout, wait_for_workers=False, master_listen_fd=listener.detach()
+        )
         return {"host": self.host, "port": port}
 
     def init(self, *, metadata: list[dict[str, Any]]) -> None:
         if self.rank != 0:
             self._store = dist.TCPStore(metadata[0]["host"], metadata[0]["port"], None, False, self.timeout)
-        self._group = gloo_group(dist.PrefixStore("raw/", self._store), self.rank, self.size, host=self.host,
-                                 timeout=self.timeout)
+        self._group = gloo_group(
+            dist.PrefixStore("raw/", self._store), self.rank, self.size, host=self.host, timeout=self.timeout
+        )
 
     def transfer(self, *, nbytes: int, topology: str, repetitions: int) -> dict[str, Any]:
         """Move ``nbytes`` ``repetitions`` times; seconds per repetition, as this rank saw it."""

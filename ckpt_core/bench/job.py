@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections.abc import Sequence
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 from ckpt_core.orchestration.coordinator import RefitCoordinator, WorkerPool
 from ckpt_core.orchestration.local import LocalProcessPool
@@ -79,9 +80,13 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             reports = [coordinator.refit() for _ in range(config.refits)]
         finally:
             coordinator.finalize()
-    per_worker = [_summarize(labels[i], [r.policy[i] if i < config.num_policy else r.rollout[i - config.num_policy]
-                                         for r in reports]) for i in range(len(labels))]
-    active = [w for w in per_worker[config.num_policy:]]
+    per_worker = [
+        _summarize(
+            labels[i], [r.policy[i] if i < config.num_policy else r.rollout[i - config.num_policy] for r in reports]
+        )
+        for i in range(len(labels))
+    ]
+    active = [w for w in per_worker[config.num_policy :]]
     payload = reports[-1].rollout[0]["stats"]["payload_bytes"]
     result: dict[str, Any] = {
         "config": {**dataclasses.asdict(config), "topology": config.topology},
@@ -100,7 +105,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
 
 def _refit_pool(
     config: BenchConfig, specs: Sequence[dict[str, Any]], labels: Sequence[str]
-) -> ContextManager[WorkerPool]:
+) -> AbstractContextManager[WorkerPool]:
     if config.launcher == "ray":
         from ckpt_core.orchestration.ray import ray_service_pool
 
@@ -132,7 +137,9 @@ def measure_gloo_floor(nbytes: int, topology: str, num_rollout: int, refits: int
         coordinator_calls = pool.call([(r, "prepare", {}) for r in range(size)], timeout_s)
         _raise_failures("raw Gloo prepare", coordinator_calls)
         metadata = [c.value for c in coordinator_calls]
-        _raise_failures("raw Gloo init", pool.call([(r, "init", {"metadata": metadata}) for r in range(size)], timeout_s))
+        _raise_failures(
+            "raw Gloo init", pool.call([(r, "init", {"metadata": metadata}) for r in range(size)], timeout_s)
+        )
         kwargs = {"nbytes": nbytes, "topology": topology, "repetitions": refits + 1}
         runs = pool.call([(r, "transfer", kwargs) for r in range(size)], timeout_s)
         _raise_failures("raw Gloo transfer", runs)

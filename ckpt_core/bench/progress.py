@@ -33,6 +33,8 @@ class ProgressBar:
 
     @hookimpl
     def ckpt_core_refit_finished(self, context: RefitContext, stats: RefitStats) -> None:
-        sys.stderr.write(f"\r  refit {context.refit_index}: {stats.payload_bytes / 2**20:10.1f} MiB received "
-                         f"in {stats.seconds:.2f} s ({stats.gbps:.2f} GB/s){' ' * 12}\n")
+        sys.stderr.write(
+            f"\r  refit {context.refit_index}: {stats.payload_bytes / 2**20:10.1f} MiB received "
+            f"in {stats.seconds:.2f} s ({stats.gbps:.2f} GB/s){' ' * 12}\n"
+        )
         sys.stderr.flush()

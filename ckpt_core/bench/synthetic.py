@@ -58,8 +58,13 @@ def _materialize(total_bytes: int, seed: int) -> tuple[tuple[str, torch.Tensor],
     tensors = []
     for name, shape, dtype in transformer_shapes(total_bytes):
         # Random bits, not random floats: fast to make, and every byte pattern is exercised.
-        raw = torch.randint(-(2**31), 2**31 - 1, (max(1, torch.Size(shape).numel() * dtype.itemsize // 4 + 1),),
-                            dtype=torch.int32, generator=generator)
+        raw = torch.randint(
+            -(2**31),
+            2**31 - 1,
+            (max(1, torch.Size(shape).numel() * dtype.itemsize // 4 + 1),),
+            dtype=torch.int32,
+            generator=generator,
+        )
         data = raw.view(torch.uint8)[: torch.Size(shape).numel() * dtype.itemsize]
         tensors.append((name, data.view(dtype).reshape(shape).clone()))
     return tuple(tensors)

@@ -138,7 +138,9 @@ class LocalProcessPool:
                 worker.send(method, kwargs)
                 pending[worker.reader] = position
             except OSError:
-                results[position] = CallResult.failure(worker.label, "WorkerExited", f"{worker.label} {worker.exit_description()}")
+                results[position] = CallResult.failure(
+                    worker.label, "WorkerExited", f"{worker.label} {worker.exit_description()}"
+                )
         deadline = time.monotonic() + timeout_s
         with selectors.DefaultSelector() as selector:
             for fd in pending:
@@ -153,10 +155,18 @@ class LocalProcessPool:
                     try:
                         reply = worker.read_available()
                     except (EOFError, OSError):
-                        reply = {"ok": False, "error_type": "WorkerExited", "message": f"{worker.label} {worker.exit_description()}"}
+                        reply = {
+                            "ok": False,
+                            "error_type": "WorkerExited",
+                            "message": f"{worker.label} {worker.exit_description()}",
+                        }
                     except ValueError as exc:  # a reply that is not protocol JSON
                         worker.process.kill()
-                        reply = {"ok": False, "error_type": "ProtocolError", "message": f"{worker.label} sent a malformed reply and was stopped: {exc}"}
+                        reply = {
+                            "ok": False,
+                            "error_type": "ProtocolError",
+                            "message": f"{worker.label} sent a malformed reply and was stopped: {exc}",
+                        }
                     if reply is None:
                         continue
                     results[position] = CallResult.from_reply(worker.label, reply)

@@ -205,8 +205,16 @@ def refit_worker_specs(
         "verify": verify,
     }
     for rank in range(num_policy):
-        specs.append({**common, "role": "policy", "rank": rank, "weights": weights,
-                      "weights_params": dict(weights_params or {}), "hook_plugins": hook_plugins})
+        specs.append(
+            {
+                **common,
+                "role": "policy",
+                "rank": rank,
+                "weights": weights,
+                "weights_params": dict(weights_params or {}),
+                "hook_plugins": hook_plugins,
+            }
+        )
         labels.append(f"policy rank {rank}")
     for rank in range(num_rollout):
         specs.append({**common, "role": "rollout", "rank": rank, "hook_plugins": hook_plugins})

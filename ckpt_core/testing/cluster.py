@@ -245,7 +245,9 @@ class ConformanceCluster:
         self.check_consumption(report)
         return report
 
-    def call(self, calls: Sequence[tuple[int, str, dict[str, Any]]], timeout_s: float | None = None) -> list[CallResult]:
+    def call(
+        self, calls: Sequence[tuple[int, str, dict[str, Any]]], timeout_s: float | None = None
+    ) -> list[CallResult]:
         """Raw worker calls (for out-of-order sequences); the engines count as used afterwards."""
         self.mark_dirty()
         results = self.pool.call(calls, self.call_timeout_s if timeout_s is None else timeout_s)
@@ -264,7 +266,7 @@ class ConformanceCluster:
                 position = next((i for i, (a, b) in enumerate(zip(sent, got)) if a != b), min(len(sent), len(got)))
                 raise AssertionError(
                     f"rollout rank {rank} received tensors out of order: at position {position} "
-                    f"expected {sent[position:position + 3]}, got {got[position:position + 3]} "
+                    f"expected {sent[position : position + 3]}, got {got[position : position + 3]} "
                     f"({len(got)} tensors received, {len(sent)} sent). Batches must be yielded in "
                     "the sender's order."
                 )

@@ -123,7 +123,9 @@ class TransportConformance:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def conformance_cluster(cls, request: pytest.FixtureRequest, conformance_settings: KitSettings) -> Iterator[ConformanceCluster]:
+    def conformance_cluster(
+        cls, request: pytest.FixtureRequest, conformance_settings: KitSettings
+    ) -> Iterator[ConformanceCluster]:
         """Worker processes of one shape, shared by the class's refit tests."""
         owner = cls()
         shape: Shape = request.param
@@ -160,8 +162,10 @@ class TransportConformance:
     def test_registry_finds_backend_by_name(self, conformance_settings: KitSettings) -> None:
         backend = conformance_settings.backend
         if ":" in backend:
-            pytest.skip(f"{backend!r} names a class directly; register an entry point in "
-                        "'ckpt_core.backends' to test discovery by name")
+            pytest.skip(
+                f"{backend!r} names a class directly; register an entry point in "
+                "'ckpt_core.backends' to test discovery by name"
+            )
         engine_class = resolve_backend(backend)
         assert backend in backend_names()
         infos = [info for info in list_backends() if info.name == backend]
@@ -216,9 +220,7 @@ class TransportConformance:
         engine.finalize()
 
     @pytest.mark.parametrize("case", OUT_OF_ORDER_CASES, ids=[c.name for c in OUT_OF_ORDER_CASES])
-    def test_out_of_order_call_raises(
-        self, case: OutOfOrderCase, conformance_settings: KitSettings
-    ) -> None:
+    def test_out_of_order_call_raises(self, case: OutOfOrderCase, conformance_settings: KitSettings) -> None:
         engine = self._engine(conformance_settings)
         error = run_out_of_order(engine, case, self.lifecycle_deadline_s)
         if isinstance(engine, BucketedEngine):
@@ -281,8 +283,10 @@ class TransportConformance:
         refit_cluster.finalize()
         pool_size = refit_cluster.shape.num_policy + refit_cluster.shape.num_rollout
         weights = {"weights": "ckpt_core.testing.weights:sized", "weights_params": {"sizes": [64]}}
-        calls = [(i, "refit", {"refit_index": 0, **(weights if i < refit_cluster.shape.num_policy else {})})
-                 for i in range(pool_size)]
+        calls = [
+            (i, "refit", {"refit_index": 0, **(weights if i < refit_cluster.shape.num_policy else {})})
+            for i in range(pool_size)
+        ]
         results = refit_cluster.call(calls, timeout_s=self.lifecycle_deadline_s)
         bucketed = issubclass(resolve_backend(refit_cluster.backend), BucketedEngine)
         for result in results:
@@ -351,12 +355,12 @@ class TransportConformance:
             elapsed = time.monotonic() - killed_at
         assert not thread.is_alive(), "the refit did not return after its peer was killed"
         error = outcome.get("error")
-        assert isinstance(error, RefitFailedError), f"killing rollout rank 0 mid-refit must fail the refit, got {error!r}"
+        assert isinstance(error, RefitFailedError), (
+            f"killing rollout rank 0 mid-refit must fail the refit, got {error!r}"
+        )
         failures = {f.worker: f for f in error.failures}
         policy = failures.get("policy rank 0")
-        assert policy is not None, (
-            f"policy rank 0 finished its refit although its receiver was killed: {error}"
-        )
+        assert policy is not None, f"policy rank 0 finished its refit although its receiver was killed: {error}"
         hung = [f.describe() for f in error.failures if "did not answer" in (f.message or "")]
         assert not hung, "workers hung after a peer was killed:\n" + "\n".join(hung)
         names = _transfer_error_names()

@@ -111,7 +111,9 @@ class MemorySender(BucketSender):
             raise AssertionError("the pipeline passed direct chunks to a sender that does not take them")
         for chunk in direct:
             if chunk.dtype != torch.uint8 or chunk.dim() != 1 or not chunk.is_contiguous():
-                raise AssertionError(f"a direct chunk must be contiguous 1-D uint8, got {chunk.dtype} {list(chunk.shape)}")
+                raise AssertionError(
+                    f"a direct chunk must be contiguous 1-D uint8, got {chunk.dtype} {list(chunk.shape)}"
+                )
         self.direct_posts += len(direct)
         self.link.post(slot, header, nbytes, tuple(direct))
 
@@ -140,15 +142,15 @@ class MemoryReceiver(BucketReceiver):
         self._announced = (slot, nbytes)
         return header
 
-    def post_payload(
-        self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()
-    ) -> None:
+    def post_payload(self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()) -> None:
         # The transport contract: bucket k uses slot k % num_slots on both sides.
         if (slot, nbytes) != self._announced:
             raise AssertionError(f"receiver posted slot {slot} ({nbytes} B), sender sent {self._announced}")
         sizes = [t.numel() for t in direct]
         if sizes != [t.numel() for t in self._sent_direct]:
-            raise AssertionError(f"receiver posted direct chunks of {sizes} B, sender sent {[t.numel() for t in self._sent_direct]}")
+            raise AssertionError(
+                f"receiver posted direct chunks of {sizes} B, sender sent {[t.numel() for t in self._sent_direct]}"
+            )
         self._copies = list(zip(self._sent_direct, direct))
 
     def wait_payload(self, slot: int, timeout_s: float) -> None:
@@ -219,7 +221,9 @@ class MemoryEngine(BucketedEngine):
     def _connect_rollout(
         self, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
     ) -> BucketReceiver:
-        return MemoryReceiver(self._join(train_world_size, rollout_world_size, metadata), direct_chunks=self.direct_chunks)
+        return MemoryReceiver(
+            self._join(train_world_size, rollout_world_size, metadata), direct_chunks=self.direct_chunks
+        )
 
     def _release_transport(self) -> None:
         with _LINKS_LOCK:

@@ -36,7 +36,9 @@ class KitSettings:
             )
         options = getattr(owner, "engine_options", None) or {}
         if not isinstance(options, dict):
-            raise pytest.UsageError(f"{owner.__name__}.engine_options must be a dict of option name to value, got {options!r}")
+            raise pytest.UsageError(
+                f"{owner.__name__}.engine_options must be a dict of option name to value, got {options!r}"
+            )
         bucket_size = getattr(owner, "bucket_size", DEFAULT_BUCKET_SIZE)
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 64:
             raise pytest.UsageError(f"{owner.__name__}.bucket_size must be an int >= 64 (bytes), got {bucket_size!r}")

@@ -189,7 +189,9 @@ class BucketedEngine(CheckpointEngine):
     ) -> None:
         self._require(_State.PREPARED, "init_rollout_process_group()")
         own_index = train_world_size + rollout_rank if _is_int(train_world_size) else -1
-        checked = self._check_metadata(rollout_rank, own_index, train_world_size, rollout_world_size, metadata, role="rollout")
+        checked = self._check_metadata(
+            rollout_rank, own_index, train_world_size, rollout_world_size, metadata, role="rollout"
+        )
         self._receiver = self._connect_rollout(rollout_rank, train_world_size, rollout_world_size, checked)
         self._enter(_State.ROLLOUT, rollout_rank)
 

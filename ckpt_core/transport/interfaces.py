@@ -99,9 +99,7 @@ class BucketReceiver(abc.ABC):
         not the refit's last, never twice without a ``recv_header`` between. Default: nothing."""
 
     @abc.abstractmethod
-    def post_payload(
-        self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()
-    ) -> None:
+    def post_payload(self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()) -> None:
         """Start receiving the payload announced by the last header: ``nbytes`` into
         ``buffer(slot)``, then each direct chunk into its destination in ``direct`` (1-D
         ``uint8`` views of output tensors, in header order; non-empty only if ``direct_chunks``)."""

@@ -187,9 +187,7 @@ class DistributedReceiver(BucketReceiver):
         link.wait([link.post(link.control, rest, _HEADER_REST_TAG)], timeout_s, "receiving a bucket header")
         return head + rest.numpy().tobytes()
 
-    def post_payload(
-        self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()
-    ) -> None:
+    def post_payload(self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()) -> None:
         link = self.link
         targets = [self._buffers[slot][:nbytes], *direct] if nbytes else list(direct)
         self._in_flight[slot] = [link.post(link.data, target, _PAYLOAD_TAG) for target in targets]
@@ -311,8 +309,7 @@ class DistributedEngine(BucketedEngine):
                 self._store = dist.TCPStore(host, port, None, False, _timedelta(self.timeout_s))
             except (RuntimeError, OSError) as exc:
                 raise PeerLostError(
-                    f"cannot reach policy rank 0's rendezvous store at {host}:{port} within "
-                    f"{self.timeout_s:g}s: {exc}"
+                    f"cannot reach policy rank 0's rendezvous store at {host}:{port} within {self.timeout_s:g}s: {exc}"
                 ) from exc
         store = dist.PrefixStore(f"ckpt_core/{metadata[0]['engine_id']}/", self._store)
         try:

@@ -5,6 +5,8 @@ Everything runs on CPU from local ``transformers`` configs; nothing is downloade
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -42,7 +44,7 @@ def llama_config(num_layers: int = 2, tie: bool = False) -> LlamaConfig:
     )
 
 
-def build_llama(seed: int, num_layers: int = 2, tie: bool = False) -> nn.Module:
+def build_llama(seed: int, num_layers: int = 2, tie: bool = False) -> LlamaForCausalLM:
     """An unparallelized tiny Llama whose weights depend only on ``seed``."""
     torch.manual_seed(seed)
     return LlamaForCausalLM(llama_config(num_layers, tie))
@@ -50,7 +52,8 @@ def build_llama(seed: int, num_layers: int = 2, tie: bool = False) -> nn.Module:
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, tp: bool = True) -> nn.Module:
     """TP (colwise/rowwise) over ``mesh['tp']`` then FSDP2 over ``mesh['dp']``: every parameter a DTensor."""
-    for layer in model.model.layers:
+    layers: Any = model.get_submodule("model.layers")  # a Hugging Face causal LM's decoder layers
+    for layer in layers:
         if tp:
             parallelize_module(layer, mesh["tp"], _TP_PLAN)
         fully_shard(layer, mesh=mesh["dp"])

@@ -56,8 +56,8 @@ def test_load_base_model_into_parallel_model(hf_dir, manager, mesh) -> None:
 def test_load_base_model_materializes_meta_model(hf_dir, manager, mesh) -> None:
     directory, weights = hf_dir
     with torch.device("meta"):
-        model = LlamaForCausalLM(llama_config())
-    model = parallelize(model, mesh)
+        meta_model = LlamaForCausalLM(llama_config())
+    model = parallelize(meta_model, mesh)
     manager.load_base_model(model, str(directory))
     assert all(p.device.type == "cpu" for p in model.parameters())
     assert_states_equal(full_state(model), weights)
@@ -65,12 +65,13 @@ def test_load_base_model_materializes_meta_model(hf_dir, manager, mesh) -> None:
 
 def test_load_base_model_into_lora_model_initializes_adapters(hf_dir, manager, mesh) -> None:
     directory, weights = hf_dir
-    model = build_llama(seed=99)
-    apply_lora_to_linear_modules(model, PeftConfig(target_modules=["*.q_proj"], dim=4, use_triton=False))
-    model = parallelize(model, mesh, tp=False)
+    base = build_llama(seed=99)
+    apply_lora_to_linear_modules(base, PeftConfig(target_modules=["*.q_proj"], dim=4, use_triton=False))
+    model = parallelize(base, mesh, tp=False)
     for module in model.modules():
-        if hasattr(module, "lora_A"):
-            torch.nn.init.zeros_(module.lora_A.weight)
+        lora_a = getattr(module, "lora_A", None)
+        if lora_a is not None:
+            torch.nn.init.zeros_(lora_a.weight)
     manager.load_base_model(model, str(directory), peft_init_method="xavier")
     state = full_state(model)
     assert_states_equal({k: v for k, v in state.items() if "lora_" not in k}, weights)

@@ -27,10 +27,31 @@ def test_bench_moves_a_saved_checkpoint_bit_exact(mesh, tmp_path: Path) -> None:
     )
     result_file = tmp_path / "bench.json"
     run = subprocess.run(
-        [sys.executable, "-m", "ckpt_core.cli", "bench", "--model", str(weights_path), "--policy", "1",
-         "--rollout", "1", "--refits", "1", "--bucket-size", "64KiB", "--no-baseline", "--no-progress",
-         "--timeout", "60", "--json", str(result_file)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "ckpt_core.cli",
+            "bench",
+            "--model",
+            str(weights_path),
+            "--policy",
+            "1",
+            "--rollout",
+            "1",
+            "--refits",
+            "1",
+            "--bucket-size",
+            "64KiB",
+            "--no-baseline",
+            "--no-progress",
+            "--timeout",
+            "60",
+            "--json",
+            str(result_file),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "bit-exact" in run.stdout

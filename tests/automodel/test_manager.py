@@ -51,7 +51,7 @@ def test_init_checkpointer_creates_once(manager) -> None:
     assert manager.checkpointer is None and manager.checkpoint_config is None
     manager.init_checkpointer({"model_save_format": "torch_save"}, checkpoint_root="/tmp/ckroot")
     first = manager.checkpointer
-    assert first.config is manager.checkpoint_config
+    assert first is not None and first.config is manager.checkpoint_config
     assert first.config.model_save_format == SerializationFormat.TORCH_SAVE
     assert first.config.checkpoint_dir == "/tmp/ckroot"
     manager.init_checkpointer({"model_save_format": "safetensors"}, checkpoint_root="/elsewhere")
@@ -63,22 +63,23 @@ def test_update_converts_strings_and_rebuilds_addons(manager) -> None:
     manager.update_checkpointer_config({"model_save_format": "torch_save"})  # no checkpointer: no-op
     assert manager.checkpointer is None
     manager.init_checkpointer({"model_save_format": "torch_save"})
-    assert manager.checkpointer._addons == []
+    checkpointer = manager.checkpointer
+    assert checkpointer is not None and checkpointer._addons == []
 
     manager.update_checkpointer_config({"model_save_format": "safetensors", "save_consolidated": True}, "/r")
-    config = manager.checkpointer.config
+    config = checkpointer.config
     assert config.model_save_format is SerializationFormat.SAFETENSORS
     assert config.save_consolidated is SaveConsolidatedMode.EVERY
     assert config.checkpoint_dir == "/r"
-    assert [type(a) for a in manager.checkpointer._addons] == [ConsolidatedHFAddon]
+    assert [type(a) for a in checkpointer._addons] == [ConsolidatedHFAddon]
 
     manager.update_checkpointer_config({"is_peft": True, "model_save_format": "torch_save"})
     assert config.model_save_format is SerializationFormat.SAFETENSORS  # adapters are always safetensors
-    assert [type(a) for a in manager.checkpointer._addons] == [PeftAddon]
+    assert [type(a) for a in checkpointer._addons] == [PeftAddon]
 
     manager.update_checkpointer_config({"is_peft": False, "save_consolidated": "false"})
     assert config.save_consolidated is SaveConsolidatedMode.FALSE
-    assert [type(a) for a in manager.checkpointer._addons] == [ConsolidatedHFAddon]
+    assert [type(a) for a in checkpointer._addons] == [ConsolidatedHFAddon]
 
 
 def test_bad_config_updates(manager) -> None:
@@ -158,7 +159,7 @@ def test_model_state_dict_keys_are_what_loads_are_checked_against(saved, mesh) -
     manager.set_model_state_dict_keys(keys)
     manager.load_checkpoint(model, str(weights))
     assert_states_equal(full_state(model), saved_state)
-    assert manager.checkpointer.config.model_state_dict_keys == keys
+    assert manager.checkpointer is not None and manager.checkpointer.config.model_state_dict_keys == keys
     with pytest.raises(TypeError, match="list of str"):
         manager.set_model_state_dict_keys("model.norm.weight")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="only str"):

@@ -83,7 +83,7 @@ def saved_adapter(mesh, tmp_path_factory: pytest.TempPathFactory) -> SavedAdapte
         tokenizer=make_tokenizer(),
         tokenizer_path=str(tok),
         # torch_save is requested on purpose: adapters are always written as safetensors.
-        checkpointing_cfg={"model_save_format": "torch_save", "save_consolidated": False},
+        checkpointing_cfg=CheckpointingConfig(model_save_format="torch_save", save_consolidated=False),
         lora_enabled=True,
         peft_config=peft_config(),
     )
@@ -130,9 +130,9 @@ def test_adapter_round_trip_and_identical_continuation(saved_adapter: SavedAdapt
 
 
 def test_adapter_with_other_targets_is_refused(saved_adapter: SavedAdapter, mesh) -> None:
-    model = build_llama(seed=BASE_SEED)
-    apply_lora_to_linear_modules(model, peft_config(("*.q_proj", "*.k_proj")))
-    model = parallelize(model, mesh, tp=False)
+    base = build_llama(seed=BASE_SEED)
+    apply_lora_to_linear_modules(base, peft_config(("*.q_proj", "*.k_proj")))
+    model = parallelize(base, mesh, tp=False)
     before = full_state(model)
     manager = AutomodelCheckpointManager(mesh["dp"], mesh["tp"])
     with pytest.raises(CheckpointKeyMismatchError) as info:

@@ -12,6 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -59,7 +60,7 @@ class SavedRun:
     continue_data: list[torch.Tensor]
     continued_losses: list[float]
     continued_state: dict[str, torch.Tensor]
-    continued_lr: list[float]
+    continued_lr: list[Any]  # what LRScheduler.get_last_lr() returns (floats, or tensors)
 
 
 @pytest.fixture(scope="module", params=CASES)

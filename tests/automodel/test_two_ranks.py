@@ -42,7 +42,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     procs = [
         subprocess.Popen(
             [sys.executable, str(HERE / "_two_rank_worker.py"), str(rank), str(port), str(out)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )  # fmt: skip
         for rank in (0, 1)
     ]

@@ -68,17 +68,13 @@ def install(distributions: list[Distribution], folder: Path) -> Path:
         *map(str, sources),
     ]  # fmt: skip
     env = {**os.environ, "PIP_NO_INPUT": "1"}
-    result = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, env=env, cwd=folder
-    )
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, env=env, cwd=folder)
     if result.returncode != 0:
         raise RuntimeError(f"pip install failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     return target
 
 
-def run_python(
-    code: str, *, path: Sequence[Path] = (), env: dict[str, str] | None = None, cwd: Path
-) -> Any:
+def run_python(code: str, *, path: Sequence[Path] = (), env: dict[str, str] | None = None, cwd: Path) -> Any:
     """Run ``code`` in a fresh interpreter with ``path`` prepended to ``PYTHONPATH``.
 
     The code must print one JSON document as its last stdout line; it is returned decoded.

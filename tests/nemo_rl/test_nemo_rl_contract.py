@@ -25,6 +25,7 @@ from ckpt_core.errors import EngineOptionError, InvalidArgumentError, LayoutUnav
 from ckpt_core.orchestration.workload import digests
 from ckpt_core.registry import check_engine_kwargs, resolve_backend
 from ckpt_core.testing.weights import every_dtype, sized
+from ckpt_core.transport import BucketedEngine
 
 BACKENDS = ["gloo_cpu", "cuda_ipc", "nccl"]
 
@@ -55,6 +56,7 @@ def test_the_options_mean_what_they_say_on_a_built_engine() -> None:
         bucket_size_bytes=1 << 20,
         engine_kwargs={"release_after_refit": True, "shard_expert_weights": True, "device": "cpu"},
     )
+    assert isinstance(engine, BucketedEngine)
     assert engine.release_after_refit is True and engine.shard_expert_weights is True
     assert type(engine).shard_expert_weights is False  # the class default is untouched
 
@@ -79,7 +81,9 @@ def test_release_after_refit_decides_whether_finalize_returns_cached_memory(rele
     freed = empty_host(torch.Size([2 << 20]), torch.uint8)
     del freed  # a received tensor the loader dropped: its memory goes to the host pool
     assert pooled_bytes() > 0
-    engine = create_checkpoint_engine("gloo_cpu", bucket_size_bytes=1 << 20, engine_kwargs={"release_after_refit": release})
+    engine = create_checkpoint_engine(
+        "gloo_cpu", bucket_size_bytes=1 << 20, engine_kwargs={"release_after_refit": release}
+    )
     engine.finalize()
     assert (pooled_bytes() == 0) is release
     release_host_pool()
@@ -100,10 +104,14 @@ class _NoLayoutEngine(CheckpointEngine):
     def prepare(self) -> Any:
         return {}
 
-    def init_policy_process_group(self, *, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[Any]) -> None:
+    def init_policy_process_group(
+        self, *, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[Any]
+    ) -> None:
         pass
 
-    def init_rollout_process_group(self, *, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[Any]) -> None:
+    def init_rollout_process_group(
+        self, *, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[Any]
+    ) -> None:
         pass
 
     async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None]) -> None:
@@ -123,7 +131,9 @@ def test_the_base_refuses_a_layout_it_does_not_have_as_nemo_rl_does() -> None:
 
 
 def test_a_bucketed_engine_has_its_layout_only_once_initialized_as_policy() -> None:
-    engine = create_checkpoint_engine("gloo_cpu", bucket_size_bytes=1 << 20, engine_kwargs={"shard_expert_weights": True})
+    engine = create_checkpoint_engine(
+        "gloo_cpu", bucket_size_bytes=1 << 20, engine_kwargs={"shard_expert_weights": True}
+    )
     with pytest.raises(LayoutUnavailableError, match="init_policy_process_group"):
         engine.get_target_weight_layout()
     plain = create_checkpoint_engine("gloo_cpu", bucket_size_bytes=1 << 20, engine_kwargs={})
@@ -133,13 +143,18 @@ def test_a_bucketed_engine_has_its_layout_only_once_initialized_as_policy() -> N
 def _layouts_case(layouts: list[Any], topology: str = "broadcast") -> None:
     """Policy rank 0 of 1 initializing against ``len(layouts)`` rollout ranks' metadata."""
     options = {"shard_expert_weights": True, "topology": topology, "timeout_s": 5}
-    engines = [create_checkpoint_engine("gloo_cpu", bucket_size_bytes=1 << 20, engine_kwargs=options) for _ in range(1 + len(layouts))]
+    engines = [
+        create_checkpoint_engine("gloo_cpu", bucket_size_bytes=1 << 20, engine_kwargs=options)
+        for _ in range(1 + len(layouts))
+    ]
     try:
         metadata = [engine.prepare() for engine in engines]
         for entry, layout in zip(metadata[1:], layouts):
             if layout is not None:
                 entry["weight_layout"] = layout
-        engines[0].init_policy_process_group(worker_rank=0, train_world_size=1, rollout_world_size=len(layouts), metadata=metadata)
+        engines[0].init_policy_process_group(
+            worker_rank=0, train_world_size=1, rollout_world_size=len(layouts), metadata=metadata
+        )
     finally:
         for engine in engines:
             engine.finalize()
@@ -170,7 +185,13 @@ class NixlStyleEngine(CheckpointEngine):
     ``split_weight_chunks`` (assigning each meta's ``offset`` itself), reads chunks back as
     views of its bucket buffer and merges them with ``merge_device="cpu"``."""
 
-    def __init__(self, bucket_size: int, device: str = "cpu", shard_expert_weights: bool = False, release_after_refit: bool = False) -> None:
+    def __init__(
+        self,
+        bucket_size: int,
+        device: str = "cpu",
+        shard_expert_weights: bool = False,
+        release_after_refit: bool = False,
+    ) -> None:
         self.bucket_size = bucket_size
         self.shard_expert_weights = shard_expert_weights
         self.release_after_refit = release_after_refit
@@ -183,16 +204,20 @@ class NixlStyleEngine(CheckpointEngine):
         _Fabric.queues[self.name] = asyncio.Queue()
         return {"agent": self.name}
 
-    def init_policy_process_group(self, *, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[Any]) -> None:
+    def init_policy_process_group(
+        self, *, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[Any]
+    ) -> None:
         self.peer = self.name
 
-    def init_rollout_process_group(self, *, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[Any]) -> None:
+    def init_rollout_process_group(
+        self, *, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[Any]
+    ) -> None:
         self.peer = metadata[0]["agent"]
 
     async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None]) -> None:
         queue = _Fabric.queues[self.peer]
         buffer = torch.zeros(self.bucket_size, dtype=torch.uint8, device=self.device)
-        offset, bucket = 0, []
+        offset, bucket = 0, list[TensorMeta]()
         for meta, chunk in split_weight_chunks(weights, self.bucket_size):
             align = max(1, meta.dtype.itemsize)
             aligned = -(-offset // align) * align

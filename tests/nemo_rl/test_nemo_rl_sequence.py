@@ -44,12 +44,22 @@ class Case:
 
 CASES = [
     pytest.param(Case(GLOO, 1, 1, {"release_after_refit": True, "timeout_s": 60}), id="gloo-1to1"),
-    pytest.param(Case(GLOO, 2, 1, {"release_after_refit": True, "topology": "broadcast", "timeout_s": 60}), id="gloo-2to1-broadcast"),
     pytest.param(
-        Case(GLOO, 2, 2, {"release_after_refit": True, "topology": "paired", "shard_expert_weights": True, "timeout_s": 60}),
+        Case(GLOO, 2, 1, {"release_after_refit": True, "topology": "broadcast", "timeout_s": 60}),
+        id="gloo-2to1-broadcast",
+    ),
+    pytest.param(
+        Case(
+            GLOO,
+            2,
+            2,
+            {"release_after_refit": True, "topology": "paired", "shard_expert_weights": True, "timeout_s": 60},
+        ),
         id="gloo-2to2-paired-sharded",
     ),
-    pytest.param(Case(CUDA_IPC, 1, 2, {"release_after_refit": True, "device": "cpu", "timeout_s": 60}), id="cuda_ipc-cpu-1to2"),
+    pytest.param(
+        Case(CUDA_IPC, 1, 2, {"release_after_refit": True, "device": "cpu", "timeout_s": 60}), id="cuda_ipc-cpu-1to2"
+    ),
     pytest.param(Case(GLOO, 1, 1, {"release_after_refit": False, "timeout_s": 60}), id="gloo-1to1-kept"),
 ]
 
@@ -58,7 +68,9 @@ CASES = [
 def pool() -> Any:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
-    with LocalProcessPool([SERVICE] * 4, labels=[f"worker {i}" for i in range(4)], env=env, start_timeout_s=300) as workers:
+    with LocalProcessPool(
+        [SERVICE] * 4, labels=[f"worker {i}" for i in range(4)], env=env, start_timeout_s=300
+    ) as workers:
         yield workers
 
 
@@ -84,61 +96,98 @@ class Synchronizer:
         self.policy = list(range(case.num_policy))
         self.rollout = list(range(case.num_policy, case.num_policy + case.num_rollout))
         self.ready = False
-        _ok(pool.call([(w, "become", {"role": "policy", "rank": r}) for r, w in enumerate(self.policy)]
-                      + [(w, "become", {"role": "rollout", "rank": r, "rollout_world_size": case.num_rollout})
-                         for r, w in enumerate(self.rollout)], TIMEOUT_S))
+        _ok(
+            pool.call(
+                [(w, "become", {"role": "policy", "rank": r}) for r, w in enumerate(self.policy)]
+                + [
+                    (w, "become", {"role": "rollout", "rank": r, "rollout_world_size": case.num_rollout})
+                    for r, w in enumerate(self.rollout)
+                ],
+                TIMEOUT_S,
+            )
+        )
 
-    def _policy(self, method: str, workers: list[int] | None = None, **kwargs: Any) -> list[tuple[int, str, dict[str, Any]]]:
-        return [(w, "policy_rpc", {"checkpoint_method": method, "method_kwargs": kwargs}) for w in workers or self.policy]
+    def _policy(
+        self, method: str, workers: list[int] | None = None, **kwargs: Any
+    ) -> list[tuple[int, str, dict[str, Any]]]:
+        return [
+            (w, "policy_rpc", {"checkpoint_method": method, "method_kwargs": kwargs}) for w in workers or self.policy
+        ]
 
-    def _vllm(self, method: str, args: list[Any] | None = None, workers: list[int] | None = None) -> list[tuple[int, str, dict[str, Any]]]:
-        return [(w, "vllm_rpc", {"checkpoint_method": method, "method_args": args or []}) for w in workers or self.rollout]
+    def _vllm(
+        self, method: str, args: list[Any] | None = None, workers: list[int] | None = None
+    ) -> list[tuple[int, str, dict[str, Any]]]:
+        return [
+            (w, "vllm_rpc", {"checkpoint_method": method, "method_args": args or []}) for w in workers or self.rollout
+        ]
 
     def ensure_ready(self) -> None:
         if self.ready:
             return
         case = self.case
-        options = {"backend": case.backend, "bucket_size_bytes": BUCKET, "engine_kwargs": case.engine_kwargs}
-        _ok(self.pool.call(
-            self._policy("init_checkpoint_engine", **options)
-            + self._vllm("init_checkpoint_engine", [case.backend, BUCKET, case.engine_kwargs]),
-            TIMEOUT_S,
-        ))
+        _ok(
+            self.pool.call(
+                self._policy(
+                    "init_checkpoint_engine",
+                    backend=case.backend,
+                    bucket_size_bytes=BUCKET,
+                    engine_kwargs=case.engine_kwargs,
+                )
+                + self._vllm("init_checkpoint_engine", [case.backend, BUCKET, case.engine_kwargs]),
+                TIMEOUT_S,
+            )
+        )
         # Results arrive in whatever order the workers were listed; asking in reverse shows
         # that the engines get the order NeMo RL restores from the "rank" key.
         backwards_policy, backwards_rollout = self.policy[::-1], self.rollout[::-1]
-        prepared = _ok(self.pool.call(
-            self._policy("prepare_checkpoint_engine", backwards_policy)
-            + self._vllm("prepare_checkpoint_engine", workers=backwards_rollout),
-            TIMEOUT_S,
-        ))
+        prepared = _ok(
+            self.pool.call(
+                self._policy("prepare_checkpoint_engine", backwards_policy)
+                + self._vllm("prepare_checkpoint_engine", workers=backwards_rollout),
+                TIMEOUT_S,
+            )
+        )
         policy_metadata = _sorted_by_rank(prepared[: len(self.policy)])
-        rollout_metadata = _sorted_by_rank(prepared[len(self.policy):])
+        rollout_metadata = _sorted_by_rank(prepared[len(self.policy) :])
         metadata = policy_metadata + rollout_metadata
-        _ok(self.pool.call(
-            self._policy("init_checkpoint_engine_process_group", metadata=metadata,
-                         train_world_size=len(policy_metadata), rollout_world_size=len(rollout_metadata))
-            + self._vllm("init_checkpoint_engine_process_group", [0, len(policy_metadata), len(rollout_metadata), metadata]),
-            TIMEOUT_S,
-        ))
+        _ok(
+            self.pool.call(
+                self._policy(
+                    "init_checkpoint_engine_process_group",
+                    metadata=metadata,
+                    train_world_size=len(policy_metadata),
+                    rollout_world_size=len(rollout_metadata),
+                )
+                + self._vllm(
+                    "init_checkpoint_engine_process_group", [0, len(policy_metadata), len(rollout_metadata), metadata]
+                ),
+                TIMEOUT_S,
+            )
+        )
         self.ready = True
 
     def sync_weights(self, step: int) -> None:
         self.ensure_ready()
         try:
-            results = _ok(self.pool.call(
-                self._policy("send_weights_via_checkpoint_engine", step=step)
-                + self._vllm("update_weights_from_checkpoint_engine"),
-                TIMEOUT_S,
-            ))
-            assert all(results[len(self.policy):]), "a vLLM worker reported a failed weight update"
+            results = _ok(
+                self.pool.call(
+                    self._policy("send_weights_via_checkpoint_engine", step=step)
+                    + self._vllm("update_weights_from_checkpoint_engine"),
+                    TIMEOUT_S,
+                )
+            )
+            assert all(results[len(self.policy) :]), "a vLLM worker reported a failed weight update"
         finally:
             if self.case.engine_kwargs["release_after_refit"]:
                 self.shutdown()
 
     def shutdown(self) -> None:
         if self.ready:
-            _ok(self.pool.call(self._policy("finalize_checkpoint_engine") + self._vllm("finalize_checkpoint_engine"), TIMEOUT_S))
+            _ok(
+                self.pool.call(
+                    self._policy("finalize_checkpoint_engine") + self._vllm("finalize_checkpoint_engine"), TIMEOUT_S
+                )
+            )
             self.ready = False
 
     def check_bit_exact(self) -> None:

@@ -12,10 +12,10 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import torch
-from ckpt_gloo_cpu.engine import GlooCpuCheckpointEngine
 
 from ckpt_core._internal.wire import decode_header
 from ckpt_core.transport.interfaces import BucketReceiver
+from ckpt_gloo_cpu.engine import GlooCpuCheckpointEngine
 
 
 class _CorruptingReceiver(BucketReceiver):

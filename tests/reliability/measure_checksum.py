@@ -43,9 +43,14 @@ def refit_times(total_mib: int = 512, bucket_mib: int = 64, rounds: int = 6) -> 
         coordinators = {}
         for label, slots, checksum in (("on", (0, 1), True), ("off", (2, 3), False)):
             coordinator = team.coordinator(
-                policy=[slots[0]], rollout=[slots[1]], backend="gloo_cpu", bucket_size=bucket_mib * MIB,
-                engine_kwargs={"timeout_s": 120, "checksum": checksum}, weights="rel_weights:cached",
-                weights_params={"sizes": sizes}, verify=False,
+                policy=[slots[0]],
+                rollout=[slots[1]],
+                backend="gloo_cpu",
+                bucket_size=bucket_mib * MIB,
+                engine_kwargs={"timeout_s": 120, "checksum": checksum},
+                weights="rel_weights:cached",
+                weights_params={"sizes": sizes},
+                verify=False,
             )
             coordinator.setup()
             coordinator.refit()  # warm-up: page faults, buffers
@@ -57,7 +62,9 @@ def refit_times(total_mib: int = 512, bucket_mib: int = 64, rounds: int = 6) -> 
                 report = coordinator.refit()
                 stats = report.rollout[0]["stats"]
                 seconds[label].append(stats["seconds"])
-                checksum_seconds[label].append(stats["checksum_seconds"] + report.policy[0]["stats"]["checksum_seconds"])
+                checksum_seconds[label].append(
+                    stats["checksum_seconds"] + report.policy[0]["stats"]["checksum_seconds"]
+                )
         for coordinator in coordinators.values():
             coordinator.finalize()
     finally:

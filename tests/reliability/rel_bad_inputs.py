@@ -88,10 +88,14 @@ def init_policy(e: CheckpointEngine, metadata: Any, rank: Any = 0, train: Any = 
 
 
 def init_rollout(e: CheckpointEngine, metadata: Any, rank: Any = 0, train: Any = 1, rollout: Any = 1) -> None:
-    e.init_rollout_process_group(rollout_rank=rank, train_world_size=train, rollout_world_size=rollout, metadata=metadata)
+    e.init_rollout_process_group(
+        rollout_rank=rank, train_world_size=train, rollout_world_size=rollout, metadata=metadata
+    )
 
 
-def with_prepared(action: Callable[[CheckpointEngine, dict[str, Any]], Any], backend: str = "gloo_cpu", **options: Any) -> Callable[[Path], Any]:
+def with_prepared(
+    action: Callable[[CheckpointEngine, dict[str, Any]], Any], backend: str = "gloo_cpu", **options: Any
+) -> Callable[[Path], Any]:
     def run(_: Path) -> Any:
         with prepared(backend, **options) as (e, entry):
             return action(e, entry)
@@ -269,166 +273,470 @@ caller can catch ``CheckpointEngineError``) that still is a ``ValueError``."""
 
 CASES: list[Case] = [
     # choosing a backend
-    Case("unknown-backend", "backend name nobody registered (`\"no_such_backend\"`)", build("no_such_backend"),
-         (UnknownBackendError,), r"Unknown checkpoint-engine backend 'no_such_backend'.*Installed backends"),
-    Case("misspelled-backend", "misspelled backend name (`\"gloo_cpo\"`)", build("gloo_cpo"),
-         (UnknownBackendError,), r"Did you mean 'gloo_cpu'"),
-    Case("backend-not-str", "backend that is not a string (`None`)", build(None),
-         (UnknownBackendError,), r"backend must be a non-empty string"),
-    Case("target-not-engine", "`module:Class` that is not an engine (`collections:OrderedDict`)",
-         build("collections:OrderedDict"), (NotAnEngineError,), r"not a subclass of ckpt_core.CheckpointEngine"),
-    Case("target-abstract", "`module:Class` that is abstract (`ckpt_core.base:CheckpointEngine`)",
-         build("ckpt_core.base:CheckpointEngine"), (NotAnEngineError,), r"is abstract; it lacks"),
-    Case("target-missing-class", "`module:Class` naming a missing class", build("ckpt_gloo_cpu.engine:NoSuchEngine"),
-         (NotAnEngineError,), r"has no attribute 'NoSuchEngine'"),
-    Case("target-missing-module", "`module:Class` whose module does not import", build("no_such_module_for_ckpt:Engine"),
-         (BackendImportError,), r"importing 'no_such_module_for_ckpt' failed"),
+    Case(
+        "unknown-backend",
+        'backend name nobody registered (`"no_such_backend"`)',
+        build("no_such_backend"),
+        (UnknownBackendError,),
+        r"Unknown checkpoint-engine backend 'no_such_backend'.*Installed backends",
+    ),
+    Case(
+        "misspelled-backend",
+        'misspelled backend name (`"gloo_cpo"`)',
+        build("gloo_cpo"),
+        (UnknownBackendError,),
+        r"Did you mean 'gloo_cpu'",
+    ),
+    Case(
+        "backend-not-str",
+        "backend that is not a string (`None`)",
+        build(None),
+        (UnknownBackendError,),
+        r"backend must be a non-empty string",
+    ),
+    Case(
+        "target-not-engine",
+        "`module:Class` that is not an engine (`collections:OrderedDict`)",
+        build("collections:OrderedDict"),
+        (NotAnEngineError,),
+        r"not a subclass of ckpt_core.CheckpointEngine",
+    ),
+    Case(
+        "target-abstract",
+        "`module:Class` that is abstract (`ckpt_core.base:CheckpointEngine`)",
+        build("ckpt_core.base:CheckpointEngine"),
+        (NotAnEngineError,),
+        r"is abstract; it lacks",
+    ),
+    Case(
+        "target-missing-class",
+        "`module:Class` naming a missing class",
+        build("ckpt_gloo_cpu.engine:NoSuchEngine"),
+        (NotAnEngineError,),
+        r"has no attribute 'NoSuchEngine'",
+    ),
+    Case(
+        "target-missing-module",
+        "`module:Class` whose module does not import",
+        build("no_such_module_for_ckpt:Engine"),
+        (BackendImportError,),
+        r"importing 'no_such_module_for_ckpt' failed",
+    ),
     # engine options
-    Case("option-typo", "unknown engine option (`topolgy=`)", build("gloo_cpu", topolgy="paired"),
-         (EngineOptionError,), r"no option 'topolgy'.*did you mean 'topology'"),
-    Case("options-not-dict", "`engine_kwargs` that is not a dict", lambda _: create_checkpoint_engine(
-        "gloo_cpu", bucket_size_bytes=BUCKET, engine_kwargs=[("timeout_s", 1)]),  # type: ignore[arg-type]
-         (EngineOptionError,), r"engine_kwargs must be a dict"),
-    Case("bucket-size-as-option", "`bucket_size` inside `engine_kwargs`", lambda _: create_checkpoint_engine(
-        "gloo_cpu", bucket_size_bytes=BUCKET, engine_kwargs={"bucket_size": BUCKET}),
-         (EngineOptionError,), r"bucket_size_bytes"),
+    Case(
+        "option-typo",
+        "unknown engine option (`topolgy=`)",
+        build("gloo_cpu", topolgy="paired"),
+        (EngineOptionError,),
+        r"no option 'topolgy'.*did you mean 'topology'",
+    ),
+    Case(
+        "options-not-dict",
+        "`engine_kwargs` that is not a dict",
+        lambda _: create_checkpoint_engine("gloo_cpu", bucket_size_bytes=BUCKET, engine_kwargs=[("timeout_s", 1)]),  # type: ignore[arg-type]
+        (EngineOptionError,),
+        r"engine_kwargs must be a dict",
+    ),
+    Case(
+        "bucket-size-as-option",
+        "`bucket_size` inside `engine_kwargs`",
+        lambda _: create_checkpoint_engine("gloo_cpu", bucket_size_bytes=BUCKET, engine_kwargs={"bucket_size": BUCKET}),
+        (EngineOptionError,),
+        r"bucket_size_bytes",
+    ),
     *[
-        Case(f"bucket-size-{label}", f"`bucket_size_bytes={value!r}`", build("gloo_cpu", value),
-             (CheckpointEngineError,), r"bucket_size.*(positive|>= ?1)")
+        Case(
+            f"bucket-size-{label}",
+            f"`bucket_size_bytes={value!r}`",
+            build("gloo_cpu", value),
+            (CheckpointEngineError,),
+            r"bucket_size.*(positive|>= ?1)",
+        )
         for label, value in (("0", 0), ("negative", -1), ("float", 1.5), ("bool", True), ("str", "64MiB"))
     ],
-    Case("timeout-str", "`timeout_s` of the wrong type (`\"10\"`)", build("gloo_cpu", timeout_s="10"),
-         (EngineOptionError,), r"timeout_s must be a finite number > 0"),
+    Case(
+        "timeout-str",
+        '`timeout_s` of the wrong type (`"10"`)',
+        build("gloo_cpu", timeout_s="10"),
+        (EngineOptionError,),
+        r"timeout_s must be a finite number > 0",
+    ),
     *[
-        Case(f"timeout-{label}", f"non-positive or non-finite `timeout_s={value!r}`", build("gloo_cpu", timeout_s=value),
-             (EngineOptionError,), r"timeout_s must be a finite number > 0")
+        Case(
+            f"timeout-{label}",
+            f"non-positive or non-finite `timeout_s={value!r}`",
+            build("gloo_cpu", timeout_s=value),
+            (EngineOptionError,),
+            r"timeout_s must be a finite number > 0",
+        )
         for label, value in (("0", 0), ("negative", -1), ("nan", float("nan")), ("inf", float("inf")))
     ],
-    Case("topology-unknown", "unknown topology (`\"ring\"`)", build("gloo_cpu", topology="ring"),
-         (EngineOptionError,), r"topology must be one of 'broadcast', 'paired'"),
-    Case("checksum-not-bool", "`checksum=\"yes\"`", build("gloo_cpu", checksum="yes"),
-         (EngineOptionError,), r"checksum must be True or False"),
-    Case("auth-token-empty", "empty `auth_token`", build("gloo_cpu", auth_token=""),
-         (EngineOptionError,), r"auth_token must be a non-empty string"),
-    Case("auth-token-not-str", "`auth_token` that is not a string", build("gloo_cpu", auth_token=1234),
-         (EngineOptionError,), r"auth_token must be a non-empty string"),
+    Case(
+        "topology-unknown",
+        'unknown topology (`"ring"`)',
+        build("gloo_cpu", topology="ring"),
+        (EngineOptionError,),
+        r"topology must be one of 'broadcast', 'paired'",
+    ),
+    Case(
+        "checksum-not-bool",
+        '`checksum="yes"`',
+        build("gloo_cpu", checksum="yes"),
+        (EngineOptionError,),
+        r"checksum must be True or False",
+    ),
+    Case(
+        "auth-token-empty",
+        "empty `auth_token`",
+        build("gloo_cpu", auth_token=""),
+        (EngineOptionError,),
+        r"auth_token must be a non-empty string",
+    ),
+    Case(
+        "auth-token-not-str",
+        "`auth_token` that is not a string",
+        build("gloo_cpu", auth_token=1234),
+        (EngineOptionError,),
+        r"auth_token must be a non-empty string",
+    ),
     Case("host-empty", "empty `host`", build("gloo_cpu", host=""), (EngineOptionError,), r"host must be a non-empty"),
-    Case("host-not-local", "`host` that is no address of this machine (`192.0.2.1`)",
-         lambda _: engine(host="192.0.2.1").prepare(), (EngineOptionError,), r"cannot listen on host='192.0.2.1'"),
-    Case("ipc-device-unknown", "cuda_ipc `device=\"tpu\"`", build("cuda_ipc", device="tpu"),
-         (EngineOptionError,), r"device must be 'cpu', 'cuda' or 'cuda:N'"),
-    Case("ipc-device-cuda-without-gpu", "cuda_ipc `device=\"cuda\"` on a machine without a GPU",
-         build("cuda_ipc", device="cuda"), (BackendUnavailableError,), r"needs a CUDA device", needs="without_cuda"),
-    Case("ipc-socket-dir-missing", "cuda_ipc `socket_dir` that does not exist",
-         lambda tmp: engine("cuda_ipc", socket_dir=str(tmp / "missing")), (EngineOptionError,), r"is not an existing directory"),
-    Case("ipc-socket-dir-too-long", "cuda_ipc `socket_dir` too long for a Unix socket path",
-         lambda tmp: engine("cuda_ipc", socket_dir=str(_long_dir(tmp))), (EngineOptionError,), r"too long for a Unix socket path"),
-    Case("nccl-without-gpu", "the nccl backend on a machine without a GPU", build("nccl"),
-         (BackendUnavailableError,), r"cannot run here", needs="without_cuda"),
+    Case(
+        "host-not-local",
+        "`host` that is no address of this machine (`192.0.2.1`)",
+        lambda _: engine(host="192.0.2.1").prepare(),
+        (EngineOptionError,),
+        r"cannot listen on host='192.0.2.1'",
+    ),
+    Case(
+        "ipc-device-unknown",
+        'cuda_ipc `device="tpu"`',
+        build("cuda_ipc", device="tpu"),
+        (EngineOptionError,),
+        r"device must be 'cpu', 'cuda' or 'cuda:N'",
+    ),
+    Case(
+        "ipc-device-cuda-without-gpu",
+        'cuda_ipc `device="cuda"` on a machine without a GPU',
+        build("cuda_ipc", device="cuda"),
+        (BackendUnavailableError,),
+        r"needs a CUDA device",
+        needs="without_cuda",
+    ),
+    Case(
+        "ipc-socket-dir-missing",
+        "cuda_ipc `socket_dir` that does not exist",
+        lambda tmp: engine("cuda_ipc", socket_dir=str(tmp / "missing")),
+        (EngineOptionError,),
+        r"is not an existing directory",
+    ),
+    Case(
+        "ipc-socket-dir-too-long",
+        "cuda_ipc `socket_dir` too long for a Unix socket path",
+        lambda tmp: engine("cuda_ipc", socket_dir=str(_long_dir(tmp))),
+        (EngineOptionError,),
+        r"too long for a Unix socket path",
+    ),
+    Case(
+        "nccl-without-gpu",
+        "the nccl backend on a machine without a GPU",
+        build("nccl"),
+        (BackendUnavailableError,),
+        r"cannot run here",
+        needs="without_cuda",
+    ),
     # lifecycle order
-    Case("init-before-prepare", "init before `prepare()`", lambda _: init_policy(engine(), []),
-         (LifecycleError,), r"needs the engine to be prepared, but it is new"),
-    Case("prepare-twice", "`prepare()` twice", with_prepared(lambda e, _: e.prepare()),
-         (LifecycleError,), r"prepare\(\) needs the engine to be new"),
-    Case("receive-before-init", "receive before init", with_prepared(lambda e, _: receive(e)),
-         (LifecycleError,), r"receive_weight_batches\(\) needs the engine to be rollout"),
-    Case("send-before-init", "send before init", with_prepared(lambda e, _: send(e, [("w", tensor())])),
-         (LifecycleError,), r"send_weights\(\) needs the engine to be policy"),
-    Case("init-twice", "init twice", on_pair(lambda p: init_rollout(p.rollout, [])),
-         (LifecycleError,), r"needs the engine to be prepared, but it is initialized as a rollout"),
-    Case("receive-on-policy", "receive on a policy engine", on_pair(lambda p: receive(p.policy)),
-         (LifecycleError,), r"needs the engine to be rollout, but it is initialized as a policy"),
-    Case("send-on-rollout", "send on a rollout engine", on_pair(lambda p: send(p.rollout, [("w", tensor())])),
-         (LifecycleError,), r"needs the engine to be policy, but it is initialized as a rollout"),
-    Case("send-after-finalize", "send after `finalize()`", on_pair(refit_then(finalize_then_send)),
-         (LifecycleError,), r"send_weights\(\) needs the engine to be policy, but it is new"),
-    Case("two-sends-at-once", "two `send_weights` at once on one engine (`asyncio.gather`)",
-         on_pair(two_sends_at_once), (LifecycleError,), r"a refit is already in progress on this engine"),
-    Case("send-after-failed-refit", "a refit after a failed one, without finalize/prepare/init",
-         on_pair(failed_refit_then_send), (LifecycleError,), r"failed \(a refit failed: call finalize\(\), then prepare\(\)"),
+    Case(
+        "init-before-prepare",
+        "init before `prepare()`",
+        lambda _: init_policy(engine(), []),
+        (LifecycleError,),
+        r"needs the engine to be prepared, but it is new",
+    ),
+    Case(
+        "prepare-twice",
+        "`prepare()` twice",
+        with_prepared(lambda e, _: e.prepare()),
+        (LifecycleError,),
+        r"prepare\(\) needs the engine to be new",
+    ),
+    Case(
+        "receive-before-init",
+        "receive before init",
+        with_prepared(lambda e, _: receive(e)),
+        (LifecycleError,),
+        r"receive_weight_batches\(\) needs the engine to be rollout",
+    ),
+    Case(
+        "send-before-init",
+        "send before init",
+        with_prepared(lambda e, _: send(e, [("w", tensor())])),
+        (LifecycleError,),
+        r"send_weights\(\) needs the engine to be policy",
+    ),
+    Case(
+        "init-twice",
+        "init twice",
+        on_pair(lambda p: init_rollout(p.rollout, [])),
+        (LifecycleError,),
+        r"needs the engine to be prepared, but it is initialized as a rollout",
+    ),
+    Case(
+        "receive-on-policy",
+        "receive on a policy engine",
+        on_pair(lambda p: receive(p.policy)),
+        (LifecycleError,),
+        r"needs the engine to be rollout, but it is initialized as a policy",
+    ),
+    Case(
+        "send-on-rollout",
+        "send on a rollout engine",
+        on_pair(lambda p: send(p.rollout, [("w", tensor())])),
+        (LifecycleError,),
+        r"needs the engine to be policy, but it is initialized as a rollout",
+    ),
+    Case(
+        "send-after-finalize",
+        "send after `finalize()`",
+        on_pair(refit_then(finalize_then_send)),
+        (LifecycleError,),
+        r"send_weights\(\) needs the engine to be policy, but it is new",
+    ),
+    Case(
+        "two-sends-at-once",
+        "two `send_weights` at once on one engine (`asyncio.gather`)",
+        on_pair(two_sends_at_once),
+        (LifecycleError,),
+        r"a refit is already in progress on this engine",
+    ),
+    Case(
+        "send-after-failed-refit",
+        "a refit after a failed one, without finalize/prepare/init",
+        on_pair(failed_refit_then_send),
+        (LifecycleError,),
+        r"failed \(a refit failed: call finalize\(\), then prepare\(\)",
+    ),
     # ranks, sizes and metadata
-    Case("metadata-wrong-length", "metadata list of the wrong length",
-         with_prepared(lambda e, m: init_policy(e, [m])), OURS_AND_VALUE, r"metadata must be a list of 2 prepare\(\) results"),
-    Case("metadata-not-list", "metadata that is not a list", with_prepared(lambda e, m: init_policy(e, {"0": m})),
-         OURS_AND_VALUE, r"metadata must be a list of 2"),
-    Case("metadata-entry-not-mapping", "a metadata entry that is not a mapping",
-         with_prepared(lambda e, m: init_policy(e, [m, "rollout"])), (WireFormatError,),
-         r"metadata\[1\].*(mapping|dict|JSON object)"),
-    Case("metadata-other-backend", "a metadata entry from another backend",
-         with_prepared(lambda e, m: init_policy(e, [m, other(m, backend="cuda_ipc")])), (WireFormatError,),
-         r"metadata\[1\] comes from backend 'cuda_ipc', not 'gloo_cpu'"),
-    Case("metadata-other-format", "a metadata entry of another format version",
-         with_prepared(lambda e, m: init_policy(e, [m, other(m, format=FORMAT_VERSION + 1)])), (WireFormatError,),
-         rf"metadata\[1\] has format {FORMAT_VERSION + 1}, this side speaks {FORMAT_VERSION}"),
-    Case("metadata-wrong-order", "metadata entries in the wrong order (rollout's first)",
-         with_prepared(lambda e, m: init_policy(e, [other(m), m])), OURS_AND_VALUE,
-         r"metadata\[0\] is not this engine's prepare\(\) result"),
-    Case("metadata-bad-port", "policy rank 0's entry with an invalid rendezvous port",
-         with_prepared(lambda e, m: init_rollout(e, [other(m, port=0), m])), (WireFormatError,),
-         r"metadata\[0\] has no valid host/port"),
+    Case(
+        "metadata-wrong-length",
+        "metadata list of the wrong length",
+        with_prepared(lambda e, m: init_policy(e, [m])),
+        OURS_AND_VALUE,
+        r"metadata must be a list of 2 prepare\(\) results",
+    ),
+    Case(
+        "metadata-not-list",
+        "metadata that is not a list",
+        with_prepared(lambda e, m: init_policy(e, {"0": m})),
+        OURS_AND_VALUE,
+        r"metadata must be a list of 2",
+    ),
+    Case(
+        "metadata-entry-not-mapping",
+        "a metadata entry that is not a mapping",
+        with_prepared(lambda e, m: init_policy(e, [m, "rollout"])),
+        (WireFormatError,),
+        r"metadata\[1\].*(mapping|dict|JSON object)",
+    ),
+    Case(
+        "metadata-other-backend",
+        "a metadata entry from another backend",
+        with_prepared(lambda e, m: init_policy(e, [m, other(m, backend="cuda_ipc")])),
+        (WireFormatError,),
+        r"metadata\[1\] comes from backend 'cuda_ipc', not 'gloo_cpu'",
+    ),
+    Case(
+        "metadata-other-format",
+        "a metadata entry of another format version",
+        with_prepared(lambda e, m: init_policy(e, [m, other(m, format=FORMAT_VERSION + 1)])),
+        (WireFormatError,),
+        rf"metadata\[1\] has format {FORMAT_VERSION + 1}, this side speaks {FORMAT_VERSION}",
+    ),
+    Case(
+        "metadata-wrong-order",
+        "metadata entries in the wrong order (rollout's first)",
+        with_prepared(lambda e, m: init_policy(e, [other(m), m])),
+        OURS_AND_VALUE,
+        r"metadata\[0\] is not this engine's prepare\(\) result",
+    ),
+    Case(
+        "metadata-bad-port",
+        "policy rank 0's entry with an invalid rendezvous port",
+        with_prepared(lambda e, m: init_rollout(e, [other(m, port=0), m])),
+        (WireFormatError,),
+        r"metadata\[0\] has no valid host/port",
+    ),
     *[
-        Case(f"rank-{label}", f"`worker_rank={value!r}` with 2 policy ranks",
-             with_prepared(lambda e, m, v=value: init_policy(e, [m, other(m), other(m)], rank=v, train=2)),
-             OURS_AND_VALUE, r"worker_rank must be an int in \[0, 2\)")
+        Case(
+            f"rank-{label}",
+            f"`worker_rank={value!r}` with 2 policy ranks",
+            with_prepared(lambda e, m, v=value: init_policy(e, [m, other(m), other(m)], rank=v, train=2)),
+            OURS_AND_VALUE,
+            r"worker_rank must be an int in \[0, 2\)",
+        )
         for label, value in (("negative", -1), ("too-large", 2), ("bool", True))
     ],
-    Case("rollout-rank-too-large", "`rollout_rank` >= rollout world size",
-         with_prepared(lambda e, m: init_rollout(e, [other(m), m], rank=1)), OURS_AND_VALUE,
-         r"rollout_rank must be an int in \[0, 1\)"),
+    Case(
+        "rollout-rank-too-large",
+        "`rollout_rank` >= rollout world size",
+        with_prepared(lambda e, m: init_rollout(e, [other(m), m], rank=1)),
+        OURS_AND_VALUE,
+        r"rollout_rank must be an int in \[0, 1\)",
+    ),
     *[
-        Case(f"world-size-{label}", f"`train_world_size={value!r}`",
-             with_prepared(lambda e, m, v=value: init_policy(e, [m, other(m)], train=v)),
-             OURS_AND_VALUE, r"train_world_size must be an int >= 1")
+        Case(
+            f"world-size-{label}",
+            f"`train_world_size={value!r}`",
+            with_prepared(lambda e, m, v=value: init_policy(e, [m, other(m)], train=v)),
+            OURS_AND_VALUE,
+            r"train_world_size must be an int >= 1",
+        )
         for label, value in (("0", 0), ("negative", -1), ("float", 1.0))
     ],
-    Case("paired-too-few-policy", "paired topology with fewer policy than rollout ranks",
-         with_prepared(lambda e, m: init_policy(e, [m, other(m), other(m)], rollout=2), topology="paired"),
-         (EngineOptionError,), r"needs at least as many policy ranks as rollout ranks"),
-    Case("ipc-bucket-size-mismatch", "cuda_ipc workers with different bucket sizes",
-         lambda _: _ipc_bucket_mismatch(), (EngineOptionError,), r"uses bucket_size 8192, this worker 4096"),
+    Case(
+        "paired-too-few-policy",
+        "paired topology with fewer policy than rollout ranks",
+        with_prepared(lambda e, m: init_policy(e, [m, other(m), other(m)], rollout=2), topology="paired"),
+        (EngineOptionError,),
+        r"needs at least as many policy ranks as rollout ranks",
+    ),
+    Case(
+        "ipc-bucket-size-mismatch",
+        "cuda_ipc workers with different bucket sizes",
+        lambda _: _ipc_bucket_mismatch(),
+        (EngineOptionError,),
+        r"uses bucket_size 8192, this worker 4096",
+    ),
     # weights
-    Case("weight-not-tensor", "a weight that is not a tensor", bad_weights(lambda: [("w", tensor()), ("x", [1, 2])]),
-         (UnsupportedTensorError,), r"weight 'x' is a list, not a torch.Tensor"),
-    Case("name-not-str", "a weight name that is not a string", bad_weights(lambda: [(7, tensor())]),
-         (UnsupportedTensorError,), r"weight names must be strings, got int 7"),
-    Case("item-not-pair", "an item that is not a `(name, tensor)` pair", bad_weights(lambda: [("w", tensor(), 1)]),  # type: ignore[list-item]
-         (UnsupportedTensorError,), r"must yield \(name, tensor\) pairs"),
-    Case("duplicate-name", "the same name twice in one refit", bad_weights(lambda: [("w", tensor()), ("w", tensor())]),
-         (UnsupportedTensorError,), r"weight name 'w' appears twice in one refit"),
-    Case("quantized", "a quantized tensor", bad_weights(lambda: [("q", _quantized())]),
-         (UnsupportedTensorError,), r"weight 'q' is quantized \(qint8\)"),
-    Case("sparse", "a sparse tensor", bad_weights(lambda: [("s", torch.eye(4).to_sparse())]),
-         (UnsupportedTensorError,), r"weight 's' has layout torch.sparse_coo.*to_dense"),
-    Case("meta-device", "a meta-device tensor", bad_weights(lambda: [("m", torch.empty(4, device="meta"))]),
-         (UnsupportedTensorError,), r"weight 'm' is on the meta device"),
+    Case(
+        "weight-not-tensor",
+        "a weight that is not a tensor",
+        bad_weights(lambda: [("w", tensor()), ("x", [1, 2])]),
+        (UnsupportedTensorError,),
+        r"weight 'x' is a list, not a torch.Tensor",
+    ),
+    Case(
+        "name-not-str",
+        "a weight name that is not a string",
+        bad_weights(lambda: [(7, tensor())]),
+        (UnsupportedTensorError,),
+        r"weight names must be strings, got int 7",
+    ),
+    Case(
+        "item-not-pair",
+        "an item that is not a `(name, tensor)` pair",
+        bad_weights(lambda: [("w", tensor(), 1)]),  # type: ignore[list-item]
+        (UnsupportedTensorError,),
+        r"must yield \(name, tensor\) pairs",
+    ),
+    Case(
+        "duplicate-name",
+        "the same name twice in one refit",
+        bad_weights(lambda: [("w", tensor()), ("w", tensor())]),
+        (UnsupportedTensorError,),
+        r"weight name 'w' appears twice in one refit",
+    ),
+    Case(
+        "quantized",
+        "a quantized tensor",
+        bad_weights(lambda: [("q", _quantized())]),
+        (UnsupportedTensorError,),
+        r"weight 'q' is quantized \(qint8\)",
+    ),
+    Case(
+        "sparse",
+        "a sparse tensor",
+        bad_weights(lambda: [("s", torch.eye(4).to_sparse())]),
+        (UnsupportedTensorError,),
+        r"weight 's' has layout torch.sparse_coo.*to_dense",
+    ),
+    Case(
+        "meta-device",
+        "a meta-device tensor",
+        bad_weights(lambda: [("m", torch.empty(4, device="meta"))]),
+        (UnsupportedTensorError,),
+        r"weight 'm' is on the meta device",
+    ),
     # bytes from a peer
-    Case("header-other-version", "a bucket header of another format version", decode(header_bytes(format=FORMAT_VERSION + 1)),
-         (WireFormatError,), rf"format version {FORMAT_VERSION + 1}, this side speaks {FORMAT_VERSION}"),
-    Case("header-truncated", "a truncated bucket header", decode(header_bytes()[:-7]),
-         (WireFormatError,), r"not valid JSON.*truncated or corrupt"),
-    Case("header-payload-too-big", "a header announcing more bytes than a bucket holds",
-         decode(header_bytes(nbytes=BUCKET + 1)), (WireFormatError,), r"exceeds the bucket size 4096"),
-    Case("header-chunk-outside", "a header placing a chunk outside the payload", decode(header_bytes(offsets=[8])),
-         (WireFormatError,), r"lies outside the 16-byte payload"),
-    Case("meta-unknown-dtype", "tensor metadata with an unknown dtype", meta_dict(dtype="float99"),
-         (WireFormatError,), r"unknown dtype 'float99'"),
-    Case("meta-negative-dim", "tensor metadata with a negative dimension", meta_dict(shape=[-4]),
-         (WireFormatError,), r"shape must be a list of ints >= 0"),
+    Case(
+        "header-other-version",
+        "a bucket header of another format version",
+        decode(header_bytes(format=FORMAT_VERSION + 1)),
+        (WireFormatError,),
+        rf"format version {FORMAT_VERSION + 1}, this side speaks {FORMAT_VERSION}",
+    ),
+    Case(
+        "header-truncated",
+        "a truncated bucket header",
+        decode(header_bytes()[:-7]),
+        (WireFormatError,),
+        r"not valid JSON.*truncated or corrupt",
+    ),
+    Case(
+        "header-payload-too-big",
+        "a header announcing more bytes than a bucket holds",
+        decode(header_bytes(nbytes=BUCKET + 1)),
+        (WireFormatError,),
+        r"exceeds the bucket size 4096",
+    ),
+    Case(
+        "header-chunk-outside",
+        "a header placing a chunk outside the payload",
+        decode(header_bytes(offsets=[8])),
+        (WireFormatError,),
+        r"lies outside the 16-byte payload",
+    ),
+    Case(
+        "meta-unknown-dtype",
+        "tensor metadata with an unknown dtype",
+        meta_dict(dtype="float99"),
+        (WireFormatError,),
+        r"unknown dtype 'float99'",
+    ),
+    Case(
+        "meta-negative-dim",
+        "tensor metadata with a negative dimension",
+        meta_dict(shape=[-4]),
+        (WireFormatError,),
+        r"shape must be a list of ints >= 0",
+    ),
     Case("chunk-gap", "a chunk stream with a gap", merge_with_gap, (ChunkStreamError,), r"gap in chunk stream"),
     # peers that should not be let in
-    Case("auth-wrong-token", "a peer with the wrong `auth_token`", auth("secret-a", "secret-b"),
-         (AuthenticationError,), r"refused at rendezvous: rollout rank 0 \(wrong token\)"),
-    Case("auth-token-policy-only", "`auth_token` on the policy only", auth("secret-a", None),
-         (AuthenticationError,), r"rollout rank 0 \(it has no token\)"),
-    Case("auth-token-rollout-only", "`CKPT_CORE_AUTH_TOKEN` on the rollout only", auth(None, "secret-b", rollout_env=True),
-         (AuthenticationError,), r"rollout rank 0 \(it has a token, this host has none\)"),
+    Case(
+        "auth-wrong-token",
+        "a peer with the wrong `auth_token`",
+        auth("secret-a", "secret-b"),
+        (AuthenticationError,),
+        r"refused at rendezvous: rollout rank 0 \(wrong token\)",
+    ),
+    Case(
+        "auth-token-policy-only",
+        "`auth_token` on the policy only",
+        auth("secret-a", None),
+        (AuthenticationError,),
+        r"rollout rank 0 \(it has no token\)",
+    ),
+    Case(
+        "auth-token-rollout-only",
+        "`CKPT_CORE_AUTH_TOKEN` on the rollout only",
+        auth(None, "secret-b", rollout_env=True),
+        (AuthenticationError,),
+        r"rollout rank 0 \(it has a token, this host has none\)",
+    ),
     # coordinator
-    Case("coordinator-refit-before-setup", "`RefitCoordinator.refit()` before `setup()`",
-         lambda _: RefitCoordinator(_NoCallsPool(2), num_policy=1, num_rollout=1).refit(),  # type: ignore[arg-type]
-         (LifecycleError,), r"setup\(\)"),
-    Case("coordinator-no-rollout", "a coordinator with 0 rollout workers",
-         lambda _: RefitCoordinator(_NoCallsPool(1), num_policy=1, num_rollout=0),  # type: ignore[arg-type]
-         OURS_AND_VALUE, r"rollout"),
+    Case(
+        "coordinator-refit-before-setup",
+        "`RefitCoordinator.refit()` before `setup()`",
+        lambda _: RefitCoordinator(_NoCallsPool(2), num_policy=1, num_rollout=1).refit(),  # type: ignore[arg-type]
+        (LifecycleError,),
+        r"setup\(\)",
+    ),
+    Case(
+        "coordinator-no-rollout",
+        "a coordinator with 0 rollout workers",
+        lambda _: RefitCoordinator(_NoCallsPool(1), num_policy=1, num_rollout=0),  # type: ignore[arg-type]
+        OURS_AND_VALUE,
+        r"rollout",
+    ),
 ]
 
 
@@ -490,7 +798,11 @@ def markdown_table(tmp_path: Path) -> str:
         if check(case, error) is not None:
             typed = error is not None and all(isinstance(error, t) for t in case.expect)
             got = type(error).__name__ if error is not None else "nothing"
-            expected += " (today: an unclear message, see the bugs below)" if typed else f" (today: `{got}`, see the bugs below)"
+            expected += (
+                " (today: an unclear message, see the bugs below)"
+                if typed
+                else f" (today: `{got}`, see the bugs below)"
+            )
         message = str(error).splitlines()[0] if error is not None and str(error) else ""
         message = message.replace(str(tmp_path), "<tmp>")
         message = (message[:140] + "...") if len(message) > 140 else message

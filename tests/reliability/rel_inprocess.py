@@ -81,8 +81,12 @@ class Pair:
         if engines is None:
             common = {"timeout_s": 20, **(engine_kwargs or {})}
             engines = (
-                create_checkpoint_engine(backend, bucket_size_bytes=bucket_size, engine_kwargs={**common, **(policy_kwargs or {})}),
-                create_checkpoint_engine(backend, bucket_size_bytes=bucket_size, engine_kwargs={**common, **(rollout_kwargs or {})}),
+                create_checkpoint_engine(
+                    backend, bucket_size_bytes=bucket_size, engine_kwargs={**common, **(policy_kwargs or {})}
+                ),
+                create_checkpoint_engine(
+                    backend, bucket_size_bytes=bucket_size, engine_kwargs={**common, **(rollout_kwargs or {})}
+                ),
             )
         self.policy, self.rollout = engines
         self.init_outcomes = self.init()

@@ -144,15 +144,21 @@ class Team:
         common = dict(backend=backend, bucket_size=bucket_size, engine_kwargs=engine_kwargs, verify=verify)
         configs: list[tuple[int, dict[str, Any]]] = []
         for rank, slot in enumerate(policy):
-            configs.append((slot, dict(common, role="policy", rank=rank, weights=weights, weights_params=weights_params)))
+            configs.append(
+                (slot, dict(common, role="policy", rank=rank, weights=weights, weights_params=weights_params))
+            )
         for rank, slot in enumerate(rollout):
             trail = str(trail_dir / f"rollout{rank}") if trail_dir is not None else None
             configs.append((slot, dict(common, role="rollout", rank=rank, trail_path=trail)))
         self.configure(configs, call_timeout_s)
         labels = [f"policy rank {r}" for r in range(len(policy))] + [f"rollout rank {r}" for r in range(len(rollout))]
         return RefitCoordinator(
-            self.view(slots, labels), num_policy=len(policy), num_rollout=len(rollout),
-            timeout_s=call_timeout_s, topology=topology, verify=verify,
+            self.view(slots, labels),
+            num_policy=len(policy),
+            num_rollout=len(rollout),
+            timeout_s=call_timeout_s,
+            topology=topology,
+            verify=verify,
         )
 
     def close(self) -> None:

@@ -16,7 +16,10 @@ from rel_bad_inputs import CASES, Case, check, run_case
 
 
 def test_the_table_has_at_least_25_kinds_of_bad_input() -> None:
-    kinds = {case.id.rsplit("-", 1)[0] if case.id.startswith(("bucket-size", "timeout-", "rank-", "world-size")) else case.id for case in CASES}
+    kinds = {
+        case.id.rsplit("-", 1)[0] if case.id.startswith(("bucket-size", "timeout-", "rank-", "world-size")) else case.id
+        for case in CASES
+    }
     assert len(kinds) >= 25, sorted(kinds)
     assert len({case.id for case in CASES}) == len(CASES), "case ids must be unique"
 

@@ -23,9 +23,6 @@ from typing import Any
 import hypothesis.strategies as st
 import pytest
 import torch
-from ckpt_cuda_ipc.buffers import HostSlots
-from ckpt_cuda_ipc.control import Channel, decode_json
-from ckpt_cuda_ipc.transport import IpcReceiver, IpcSender
 from hypothesis import HealthCheck, example, given, settings
 from rel_inprocess import Pair
 from rel_net import listening_sockets
@@ -36,6 +33,9 @@ from ckpt_core._internal.wire import BucketHeader, decode_header, encode_header
 from ckpt_core.base import TensorMeta, create_checkpoint_engine
 from ckpt_core.errors import PeerLostError, RemoteRefitError, TransferError, WireFormatError
 from ckpt_core.orchestration import protocol
+from ckpt_cuda_ipc.buffers import HostSlots
+from ckpt_cuda_ipc.control import Channel, decode_json
+from ckpt_cuda_ipc.transport import IpcReceiver, IpcSender
 
 FUZZ = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 BUCKET = 4096
@@ -81,10 +81,19 @@ dist.broadcast_object_list([1])
 """
     found = {f.what for f in scan_source(source, "synthetic.py")}
     expected = {
-        "import pickle", "import cloudpickle", "from dill import loads", "import marshal",
-        "from multiprocessing import Pipe", "import multiprocessing.connection",
-        "call torch.save()", "call torch.load()", "call numpy.load()", "call yaml.load()", "call eval()",
-        "call .send_pyobj()", "call .broadcast_object_list()",
+        "import pickle",
+        "import cloudpickle",
+        "from dill import loads",
+        "import marshal",
+        "from multiprocessing import Pipe",
+        "import multiprocessing.connection",
+        "call torch.save()",
+        "call torch.load()",
+        "call numpy.load()",
+        "call yaml.load()",
+        "call eval()",
+        "call .send_pyobj()",
+        "call .broadcast_object_list()",
     }
     assert expected <= found, f"missed: {sorted(expected - found)}"
     assert not any("shared_memory" in f for f in found)
@@ -160,7 +169,13 @@ def test_decode_header_random_bytes(data: bytes) -> None:
 
 
 @FUZZ
-@given(st.lists(st.tuples(st.sampled_from(["flip", "delete", "insert", "cut"]), st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=6))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["flip", "delete", "insert", "cut"]), st.integers(0, 10**6), st.integers(0, 255)),
+        min_size=1,
+        max_size=6,
+    )
+)
 def test_decode_header_mutated_bytes(edits: list[tuple[str, int, int]]) -> None:
     data = bytearray(VALID_HEADER)
     for op, where, byte in edits:
@@ -233,9 +248,16 @@ def frames(draw_frames: list[tuple[int, bytes]]) -> bytes:
     return b"".join(struct.pack("!BI", kind, len(body)) + body for kind, body in draw_frames)
 
 
-control_bodies = st.binary(max_size=64) | st.builds(lambda v: json.dumps(v).encode(), json_values) | st.builds(
-    lambda t, r: json.dumps({"type": t, "reason": r}).encode(), st.sampled_from(["bye", "error", "hello", "x"]), st.text(max_size=8)
-) | st.just(VALID_HEADER)
+control_bodies = (
+    st.binary(max_size=64)
+    | st.builds(lambda v: json.dumps(v).encode(), json_values)
+    | st.builds(
+        lambda t, r: json.dumps({"type": t, "reason": r}).encode(),
+        st.sampled_from(["bye", "error", "hello", "x"]),
+        st.text(max_size=8),
+    )
+    | st.just(VALID_HEADER)
+)
 frame_streams = st.lists(st.tuples(st.integers(0, 6), control_bodies), max_size=5).map(frames)
 byte_streams = frame_streams | st.binary(max_size=256) | st.builds(bytes.__add__, frame_streams, st.binary(max_size=16))
 
@@ -334,7 +356,9 @@ def _new_listeners(before: list[str]) -> list[str]:
 
 def test_prepare_listens_on_the_configured_host_only() -> None:
     before = listening_sockets(os.getpid())
-    engine = create_checkpoint_engine("gloo_cpu", bucket_size_bytes=BUCKET, engine_kwargs={"host": "127.0.0.1", "timeout_s": 20})
+    engine = create_checkpoint_engine(
+        "gloo_cpu", bucket_size_bytes=BUCKET, engine_kwargs={"host": "127.0.0.1", "timeout_s": 20}
+    )
     try:
         metadata = engine.prepare()
         opened = _new_listeners(before)
@@ -349,8 +373,9 @@ def test_workers_listen_on_the_configured_host_only(team: Team) -> None:
     """After a whole set-up and a refit, every TCP socket the worker processes listen on (the
     rendezvous store, Gloo's pair listeners) is on 127.0.0.1; cuda_ipc listens on none."""
     for backend, options in (("gloo_cpu", {"host": "127.0.0.1"}), ("cuda_ipc", {"device": "cpu"})):
-        coordinator = team.coordinator(policy=[0], rollout=[1], backend=backend, bucket_size=64 << 10,
-                                       engine_kwargs={**options, "timeout_s": 30})
+        coordinator = team.coordinator(
+            policy=[0], rollout=[1], backend=backend, bucket_size=64 << 10, engine_kwargs={**options, "timeout_s": 30}
+        )
         coordinator.setup()
         coordinator.refit()
         listeners = {label: listening_sockets(team.pid(slot)) for label, slot in (("policy", 0), ("rollout", 1))}
@@ -361,4 +386,3 @@ def test_workers_listen_on_the_configured_host_only(team: Team) -> None:
             assert stray == {"policy": [], "rollout": []}, f"listening beyond 127.0.0.1: {stray}"
         else:
             assert listeners == {"policy": [], "rollout": []}, f"cuda_ipc opened TCP listeners: {listeners}"
-

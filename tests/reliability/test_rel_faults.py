@@ -38,12 +38,18 @@ BACKENDS = [
 ]
 
 
-def start(team: Team, backend: tuple[str, dict[str, Any]], trails: Path, timeout_s: float = TIMEOUT_S) -> RefitCoordinator:
+def start(
+    team: Team, backend: tuple[str, dict[str, Any]], trails: Path, timeout_s: float = TIMEOUT_S
+) -> RefitCoordinator:
     """1 policy -> 2 rollouts, set up, with one bit-exact refit done (weight_version 1)."""
     name, options = backend
     coordinator = team.coordinator(
-        policy=[P], rollout=[R0, R1], backend=name, bucket_size=BUCKET,
-        engine_kwargs={**options, "timeout_s": timeout_s}, trail_dir=trails,
+        policy=[P],
+        rollout=[R0, R1],
+        backend=name,
+        bucket_size=BUCKET,
+        engine_kwargs={**options, "timeout_s": timeout_s},
+        trail_dir=trails,
     )
     coordinator.setup()
     report = coordinator.refit()

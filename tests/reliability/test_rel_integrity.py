@@ -25,8 +25,13 @@ OPTIONS = {"timeout_s": 10, "checksum": True}  # the policy waits this long afte
 
 def test_a_flipped_bit_in_flight_raises_integrity_error_on_the_receiver(team: Team) -> None:
     coordinator = team.coordinator(
-        policy=[P], rollout=[R0], backend="fault_engines:CorruptingGlooEngine", bucket_size=BUCKET,
-        engine_kwargs={**OPTIONS, "corrupt_bucket": 1}, weights="ckpt_core.testing.weights:sized", weights_params=SIZES,
+        policy=[P],
+        rollout=[R0],
+        backend="fault_engines:CorruptingGlooEngine",
+        bucket_size=BUCKET,
+        engine_kwargs={**OPTIONS, "corrupt_bucket": 1},
+        weights="ckpt_core.testing.weights:sized",
+        weights_params=SIZES,
     )
     coordinator.setup()
     with pytest.raises(RefitFailedError) as caught:
@@ -44,7 +49,10 @@ def test_a_receiver_side_failure_ends_the_senders_refit_promptly(team: Team) -> 
     timeout_s (300 s by default) for a receiver that has stopped receiving."""
     timeout_s = 12.0
     coordinator = team.coordinator(
-        policy=[P], rollout=[R0], backend="fault_engines:CorruptingGlooEngine", bucket_size=BUCKET,
+        policy=[P],
+        rollout=[R0],
+        backend="fault_engines:CorruptingGlooEngine",
+        bucket_size=BUCKET,
         engine_kwargs={"timeout_s": timeout_s, "corrupt_bucket": 1, "checksum": True},
         weights="ckpt_core.testing.weights:sized",
         weights_params={"sizes": [12 * BUCKET]},
@@ -68,9 +76,13 @@ def test_without_checksums_the_same_corruption_reaches_the_caller(team: Team) ->
     the caller as a successful refit; only the coordinator's digest check (verify=True, a
     test-time cost most deployments do not pay) notices."""
     coordinator = team.coordinator(
-        policy=[P], rollout=[R0], backend="fault_engines:CorruptingGlooEngine", bucket_size=BUCKET,
+        policy=[P],
+        rollout=[R0],
+        backend="fault_engines:CorruptingGlooEngine",
+        bucket_size=BUCKET,
         engine_kwargs={**OPTIONS, "corrupt_bucket": 1, "checksum": False},
-        weights="ckpt_core.testing.weights:sized", weights_params=SIZES,
+        weights="ckpt_core.testing.weights:sized",
+        weights_params=SIZES,
     )
     coordinator.setup()
     with pytest.raises(RefitFailedError) as caught:
@@ -88,8 +100,14 @@ def test_a_refit_missing_tensors_on_a_rollout_is_not_complete(team: Team, verify
     """A receiver that silently drops its last batch finishes its refit without an error; the
     coordinator must still not count the refit as complete, with or without digests."""
     coordinator = team.coordinator(
-        policy=[P], rollout=[R0], backend="fault_engines:TruncatingGlooEngine", bucket_size=BUCKET,
-        engine_kwargs=OPTIONS, weights="ckpt_core.testing.weights:sized", weights_params=SIZES, verify=verify,
+        policy=[P],
+        rollout=[R0],
+        backend="fault_engines:TruncatingGlooEngine",
+        bucket_size=BUCKET,
+        engine_kwargs=OPTIONS,
+        weights="ckpt_core.testing.weights:sized",
+        weights_params=SIZES,
+        verify=verify,
     )
     coordinator.setup()
     with pytest.raises(RefitFailedError, match="rollout rank 0"):

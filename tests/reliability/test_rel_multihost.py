@@ -44,10 +44,16 @@ def hosts() -> Iterator[TwoHosts]:
         yield made
 
 
-def test_refit_across_two_hosts_then_a_cut_link_fails_both_sides_in_bounded_time(hosts: TwoHosts, tmp_path: Path) -> None:
+def test_refit_across_two_hosts_then_a_cut_link_fails_both_sides_in_bounded_time(
+    hosts: TwoHosts, tmp_path: Path
+) -> None:
     specs, labels = refit_worker_specs(
-        backend="gloo_cpu", num_policy=1, num_rollout=1, bucket_size=BUCKET,
-        engine_kwargs={"timeout_s": TIMEOUT_S, "auth_token": "two-hosts"}, weights="ckpt_core.testing.weights:every_dtype",
+        backend="gloo_cpu",
+        num_policy=1,
+        num_rollout=1,
+        bucket_size=BUCKET,
+        engine_kwargs={"timeout_s": TIMEOUT_S, "auth_token": "two-hosts"},
+        weights="ckpt_core.testing.weights:every_dtype",
     )
     for spec, address in zip(specs, hosts.addresses):
         spec["service"] = "rel_worker:ReliabilityWorker"
@@ -83,7 +89,10 @@ def test_refit_across_two_hosts_then_a_cut_link_fails_both_sides_in_bounded_time
         assert marker.exists(), "the refit never got in flight"
         elapsed = returned - cut_at[0]
         assert elapsed < TIMEOUT_S + MARGIN_S, f"{elapsed:.1f}s from the cut to the failure: a hang"
-        print(f"listening: policy {policy_listens}, rollout {rollout_listens}; {elapsed:.1f}s after the cut:\n{caught.value}")
+        print(
+            f"listening: policy {policy_listens}, rollout {rollout_listens}; "
+            f"{elapsed:.1f}s after the cut:\n{caught.value}"
+        )
         failures = failures_by_worker(caught.value)
         for label, peer in (("policy rank 0", "rollout rank"), ("rollout rank 0", "policy rank 0")):
             failure = failures[label]

@@ -25,8 +25,13 @@ BUCKET = 2 * MIB
 
 def test_twenty_refits_leak_no_memory_descriptors_or_shared_memory(team: Team) -> None:
     coordinator = team.coordinator(
-        policy=[0], rollout=[1], backend="gloo_cpu", bucket_size=BUCKET, engine_kwargs={"timeout_s": 60},
-        weights="benchmarks.soak:soak_weights", weights_params={"sizes": payload_sizes(8 * MIB)},
+        policy=[0],
+        rollout=[1],
+        backend="gloo_cpu",
+        bucket_size=BUCKET,
+        engine_kwargs={"timeout_s": 60},
+        weights="benchmarks.soak:soak_weights",
+        weights_params={"sizes": payload_sizes(8 * MIB)},
     )
     result = run_soak(coordinator, team.view([0, 1], ["policy", "rollout"]), refits=20, bucket_size=BUCKET, settle=5)
     print(summary(result))

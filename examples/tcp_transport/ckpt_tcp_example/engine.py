@@ -44,7 +44,7 @@ class TcpSender(BucketSender):
         # direct_chunks is False (one message per bucket keeps the framing simple), so the
         # pipeline packs every chunk and `direct` is always empty.
         deadline = Deadline(timeout_s)
-        view = memoryview(self._buffers[slot][:nbytes].numpy())
+        view = self._buffers[slot][:nbytes].numpy().data
         try:
             for connection in self._connections:
                 connection.send(header, view, deadline, "sending a bucket")
@@ -87,19 +87,15 @@ class TcpReceiver(BucketReceiver):
         )
         return header
 
-    def post_payload(
-        self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()
-    ) -> None:
+    def post_payload(self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()) -> None:
         if nbytes != self._announced:
-            raise WireFormatError(
-                f"bucket header says {nbytes} payload bytes, its message carries {self._announced}"
-            )
+            raise WireFormatError(f"bucket header says {nbytes} payload bytes, its message carries {self._announced}")
         self._pending[slot] = nbytes  # the bytes follow the header on the stream: read them in wait
 
     def wait_payload(self, slot: int, timeout_s: float) -> None:
         nbytes, self._pending[slot] = self._pending[slot], 0
         if nbytes:
-            view = memoryview(self._buffers[slot].numpy())[:nbytes]
+            view = self._buffers[slot].numpy().data[:nbytes]
             self._link().recv_into(view, Deadline(timeout_s), "receiving a bucket payload")
 
     def close(self) -> None:
@@ -174,9 +170,11 @@ class TcpExampleEngine(BucketedEngine):
             while len(joined) < count:
                 missing = sorted(set(range(count)) - set(joined))
                 try:
-                    self._listener.settimeout(deadline.remaining("waiting for rollout ranks to connect", f"rollout ranks {missing}"))
+                    self._listener.settimeout(
+                        deadline.remaining("waiting for rollout ranks to connect", f"rollout ranks {missing}")
+                    )
                     sock, address = self._listener.accept()
-                except socket.timeout:
+                except TimeoutError:
                     raise TransferTimeoutError(
                         f"policy rank 0: rollout ranks {missing} did not connect within timeout_s={self.timeout_s:g}s"
                     ) from None
@@ -231,7 +229,9 @@ class TcpExampleEngine(BucketedEngine):
             connection.send_json(hello, deadline, "saying hello")
             answer = connection.recv_json(deadline, "waiting for the welcome")
             if answer.get("welcome") is not True:
-                raise WireFormatError(f"policy rank 0 refused rollout rank {rollout_rank}: {answer.get('refused', answer)}")
+                raise WireFormatError(
+                    f"policy rank 0 refused rollout rank {rollout_rank}: {answer.get('refused', answer)}"
+                )
         except BaseException:
             connection.close()
             raise

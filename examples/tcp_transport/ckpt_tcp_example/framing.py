@@ -11,6 +11,7 @@ cannot be a message raise ``WireFormatError``.
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
 import struct
@@ -91,7 +92,7 @@ class Connection:
         """Fill ``view`` completely from the socket."""
         got = 0
         while got < view.nbytes:
-            n = self._io(what, deadline, lambda: self.sock.recv_into(view[got:]))
+            n = self._io(what, deadline, functools.partial(self.sock.recv_into, view[got:]))
             if n == 0:
                 raise PeerLostError(f"{what}: {self.peer} closed the connection (it exited, was killed or finalized)")
             got += n
@@ -102,7 +103,7 @@ class Connection:
         self.sock.settimeout(deadline.remaining(what, self.peer))
         try:
             return op()
-        except socket.timeout:
+        except TimeoutError:
             raise TransferTimeoutError(
                 f"{what} with {self.peer}: no progress within timeout_s={deadline.timeout_s:g}s"
             ) from None

@@ -58,9 +58,7 @@ class MyReceiver(BucketReceiver):
         # TODO: block (at most timeout_s) for the next header's bytes.
         raise NotImplementedError("MyReceiver.recv_header (see the TODO)")
 
-    def post_payload(
-        self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()
-    ) -> None:
+    def post_payload(self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()) -> None:
         # TODO: start receiving the last header's payload into buffer(slot)[:nbytes]
         # (and each direct chunk into its tensor in `direct`, if you set `direct_chunks`).
         raise NotImplementedError("MyReceiver.post_payload (see the TODO)")

@@ -111,7 +111,9 @@ class HostSlots:
                 )
             actual = os.fstat(fd).st_size
             if actual != size:
-                raise WireFormatError(f"the shared-memory file passed by policy rank 0 has {actual} bytes, expected {size}")
+                raise WireFormatError(
+                    f"the shared-memory file passed by policy rank 0 has {actual} bytes, expected {size}"
+                )
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
@@ -170,7 +172,9 @@ def import_cupy() -> Any:
 class CudaSlots:
     """Slot buffers in one device allocation shared by CUDA IPC (see the module docstring)."""
 
-    def __init__(self, cupy: Any, pointer: int, owner: bool, device: torch.device, bucket_size: int, num_slots: int) -> None:
+    def __init__(
+        self, cupy: Any, pointer: int, owner: bool, device: torch.device, bucket_size: int, num_slots: int
+    ) -> None:
         self._cupy = cupy
         self._pointer = pointer
         self._owner = owner

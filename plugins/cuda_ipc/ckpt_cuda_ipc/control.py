@@ -118,7 +118,7 @@ class Channel:
             if data:
                 self.sock.settimeout(max(deadline.remaining(), 1e-3))
                 self.sock.sendall(data)
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             raise timed_out(self.peer, phase, deadline.timeout_s) from None
         except OSError as exc:  # EPIPE, ECONNRESET, EBADF after close
             raise lost(self.peer, phase, exc) from None
@@ -154,7 +154,7 @@ class Channel:
                 self.sock.settimeout(remaining)
                 try:
                     data, got, flags, _ = socket.recv_fds(self.sock, _RECV_CHUNK, max_fds)
-                except (TimeoutError, socket.timeout):
+                except TimeoutError:
                     raise timed_out(self.peer, phase, deadline.timeout_s) from None
                 except OSError as exc:
                     raise lost(self.peer, phase, exc) from None
@@ -202,7 +202,7 @@ class Channel:
             else:
                 self.sock.settimeout(timeout_s)
             data = self.sock.recv(_RECV_CHUNK)
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             if timeout_s is None:
                 return
             raise timed_out(self.peer, phase, total_timeout_s) from None
@@ -238,7 +238,7 @@ class Channel:
                 self.sock.settimeout(max(deadline.remaining(), 1e-3))
                 if not self.sock.recv(_RECV_CHUNK):
                     return True
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 return False
             except OSError:
                 return True
@@ -290,7 +290,7 @@ class Listener:
         self.sock.settimeout(remaining)
         try:
             conn, _ = self.sock.accept()
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             return None
         return conn
 
@@ -306,7 +306,7 @@ def connect(path: str, deadline: Deadline, peer: str) -> socket.socket:
     try:
         sock.settimeout(max(deadline.remaining(), 1e-3))
         sock.connect(path)
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         sock.close()
         raise timed_out(peer, f"connecting to its control socket {path}", deadline.timeout_s) from None
     except OSError as exc:

@@ -171,7 +171,9 @@ class CudaIpcCheckpointEngine(BucketedEngine):
             )
         count = torch.cuda.device_count()
         if self.device.index is not None and self.device.index >= count:
-            raise EngineOptionError(f"{owner}: device={str(self.device)!r}, but only {count} CUDA device(s) are visible")
+            raise EngineOptionError(
+                f"{owner}: device={str(self.device)!r}, but only {count} CUDA device(s) are visible"
+            )
         import_cupy()
 
     def _buffer_device(self) -> torch.device:
@@ -200,7 +202,9 @@ class CudaIpcCheckpointEngine(BucketedEngine):
             who = f"policy rank {index}" if index < train_world_size else f"rollout rank {index - train_world_size}"
             for key in ("socket", "node", "device", "bucket_size"):
                 if key not in entry:
-                    raise WireFormatError(f"{owner}: metadata[{index}] ({who}) has no {key!r}: is it a cuda_ipc prepare() result?")
+                    raise WireFormatError(
+                        f"{owner}: metadata[{index}] ({who}) has no {key!r}: is it a cuda_ipc prepare() result?"
+                    )
             if entry["device"] != self.device.type:
                 raise EngineOptionError(
                     f"{owner}: {who} uses device kind {entry['device']!r}, this worker {self.device.type!r}: "
@@ -273,7 +277,12 @@ class CudaIpcCheckpointEngine(BucketedEngine):
         return IpcReceiver(slots, channel, self.timeout_s)
 
     def _join(
-        self, channel: Channel, rollout_rank: int, train_world_size: int, metadata: list[dict[str, Any]], deadline: Deadline
+        self,
+        channel: Channel,
+        rollout_rank: int,
+        train_world_size: int,
+        metadata: list[dict[str, Any]],
+        deadline: Deadline,
     ) -> HostSlots | CudaSlots:
         hello = {
             "type": "hello",
@@ -304,7 +313,9 @@ class CudaIpcCheckpointEngine(BucketedEngine):
             for fd in fds:
                 os.close(fd)
             try:
-                channel.send_json({"type": "error", "reason": f"{type(exc).__name__}: {exc}"}, deadline, "reporting a failure")
+                channel.send_json(
+                    {"type": "error", "reason": f"{type(exc).__name__}: {exc}"}, deadline, "reporting a failure"
+                )
             except TransferError:
                 pass
             raise
@@ -367,9 +378,9 @@ class _Handshake:
                     raise self._timeout("connect")
                 self._admit(conn)
             description = self.slots.describe()
-            for rank, channel in sorted(self.channels.items()):
+            for _, channel in sorted(self.channels.items()):
                 self._welcome(channel, description)
-            for rank, channel in sorted(self.channels.items()):
+            for _, channel in sorted(self.channels.items()):
                 kind, body = channel.recv(self.deadline, "waiting for it to map the shared buffers")
                 message = decode_json(body, channel.peer) if kind is Kind.CONTROL else {"type": kind.name}
                 if message["type"] == "error":
@@ -435,4 +446,3 @@ class _Handshake:
                 os.close(fd)
         else:
             channel.send_json(message, self.deadline, "handing it the shared buffers")
-

@@ -69,7 +69,9 @@ class IpcSender(BucketSender):
         if direct:  # receivers read the mapped slot, so the bytes must be there
             raise TransferError("cuda_ipc sends only from its slots (direct_chunks is False)")
         if self._pending[slot]:
-            raise TransferError(f"slot {slot} was posted while rollout ranks {sorted(self._pending[slot])} still read it")
+            raise TransferError(
+                f"slot {slot} was posted while rollout ranks {sorted(self._pending[slot])} still read it"
+            )
         self.slots.publish()
         kind = Kind.HEADER
         if nbytes == 0 and decode_header(header, bucket_size=self.slots.bucket_size).abort is not None:
@@ -170,9 +172,7 @@ class IpcReceiver(BucketReceiver):
                 raise RemoteRefitError(f"{self.channel.peer} abandoned the refit: {message.get('reason')}")
         raise WireFormatError(f"expected a bucket header from {self.channel.peer}, got a {kind.name} frame")
 
-    def post_payload(
-        self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()
-    ) -> None:
+    def post_payload(self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()) -> None:
         if nbytes > self.slots.bucket_size:
             raise WireFormatError(f"a payload of {nbytes} bytes does not fit a {self.slots.bucket_size}-byte slot")
 

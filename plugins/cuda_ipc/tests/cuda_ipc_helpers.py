@@ -39,9 +39,13 @@ class Subset:
         return self.pool.call([(self.indices[i], method, kwargs) for i, method, kwargs in calls], timeout_s)
 
 
-def coordinator_for(pool: LocalProcessPool, policy: list[int], rollout: list[int], timeout_s: float) -> RefitCoordinator:
+def coordinator_for(
+    pool: LocalProcessPool, policy: list[int], rollout: list[int], timeout_s: float
+) -> RefitCoordinator:
     """A coordinator over the given workers of ``pool`` (policy ranks first, by rank)."""
-    return RefitCoordinator(Subset(pool, policy + rollout), num_policy=len(policy), num_rollout=len(rollout), timeout_s=timeout_s)
+    return RefitCoordinator(
+        Subset(pool, policy + rollout), num_policy=len(policy), num_rollout=len(rollout), timeout_s=timeout_s
+    )
 
 
 def descriptors(pid: int) -> list[str]:

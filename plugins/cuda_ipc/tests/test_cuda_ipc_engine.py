@@ -20,8 +20,6 @@ from typing import Any
 
 import pytest
 import torch
-from ckpt_cuda_ipc import CudaIpcCheckpointEngine
-from ckpt_cuda_ipc.control import Kind, Listener, encode_json, sweep_stale
 
 import ckpt_core
 from ckpt_core.errors import (
@@ -34,6 +32,8 @@ from ckpt_core.errors import (
     TransferTimeoutError,
 )
 from ckpt_core.registry import list_backends
+from ckpt_cuda_ipc import CudaIpcCheckpointEngine
+from ckpt_cuda_ipc.control import Kind, Listener, encode_json, sweep_stale
 
 BUCKET = 4096
 
@@ -77,7 +77,9 @@ def connect(policy: CudaIpcCheckpointEngine, rollouts: list[CudaIpcCheckpointEng
     metadata = [policy.prepare()] + [r.prepare() for r in rollouts]
     n = len(rollouts)
     calls: list[Callable[[], Any]] = [
-        lambda: policy.init_policy_process_group(worker_rank=0, train_world_size=1, rollout_world_size=n, metadata=metadata)
+        lambda: policy.init_policy_process_group(
+            worker_rank=0, train_world_size=1, rollout_world_size=n, metadata=metadata
+        )
     ]
     for rank, rollout in enumerate(rollouts):
         calls.append(
@@ -103,7 +105,9 @@ def receive(engine: CudaIpcCheckpointEngine) -> dict[str, torch.Tensor]:
 
 
 def refit(
-    policy: CudaIpcCheckpointEngine, rollouts: list[CudaIpcCheckpointEngine], weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    policy: CudaIpcCheckpointEngine,
+    rollouts: list[CudaIpcCheckpointEngine],
+    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]],
 ) -> Threads:
     calls: list[Callable[[], Any]] = [lambda: asyncio.run(policy.send_weights(weights()))]
     calls += [functools.partial(receive, r) for r in rollouts]
@@ -124,7 +128,9 @@ def assert_same(received: dict[str, torch.Tensor], seed: int) -> None:
     for name, tensor in expected.items():
         got = received[name]
         assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
-        assert torch.equal(got.view(torch.uint8) if got.numel() else got, tensor.view(torch.uint8) if tensor.numel() else tensor), name
+        assert torch.equal(
+            got.view(torch.uint8) if got.numel() else got, tensor.view(torch.uint8) if tensor.numel() else tensor
+        ), name
 
 
 @pytest.fixture
@@ -223,12 +229,18 @@ def test_stranger_is_rejected_and_real_rollout_still_joins(sockets: str) -> None
     policy, rollout = make(socket_dir=sockets, timeout_s=10), make(socket_dir=sockets, timeout_s=10)
     metadata = [policy.prepare(), rollout.prepare()]
     init = Threads(
-        [lambda: policy.init_policy_process_group(worker_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata)]
+        [
+            lambda: policy.init_policy_process_group(
+                worker_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata
+            )
+        ]
     )
     stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stranger.settimeout(10)
     stranger.connect(metadata[0]["socket"])
-    body = encode_json({"type": "hello", "rollout_rank": 0, "engine_id": "forged", "policy_engine_id": metadata[0]["engine_id"]})
+    body = encode_json(
+        {"type": "hello", "rollout_rank": 0, "engine_id": "forged", "policy_engine_id": metadata[0]["engine_id"]}
+    )
     stranger.sendall(bytes([Kind.CONTROL]) + len(body).to_bytes(4, "big") + body)
     reply = stranger.recv(4096)
     stranger.close()
@@ -246,7 +258,11 @@ def test_rejected_rollout_gets_a_clear_error(sockets: str) -> None:
     forged = [dict(m) for m in metadata]
     forged[0]["engine_id"] = "another-engine"
     init = Threads(
-        [lambda: policy.init_policy_process_group(worker_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata)]
+        [
+            lambda: policy.init_policy_process_group(
+                worker_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata
+            )
+        ]
     )
     with pytest.raises(AuthenticationError, match="not a rollout of this engine"):
         rollout.init_rollout_process_group(rollout_rank=0, train_world_size=1, rollout_world_size=1, metadata=forged)
@@ -313,7 +329,10 @@ def test_policy_waits_at_most_timeout_for_a_stuck_rollout(sockets: str) -> None:
 
 
 def test_failing_weights_abort_every_rollout_promptly(sockets: str) -> None:
-    policy, rollouts = make(socket_dir=sockets, timeout_s=20), [make(socket_dir=sockets, timeout_s=20) for _ in range(2)]
+    policy, rollouts = (
+        make(socket_dir=sockets, timeout_s=20),
+        [make(socket_dir=sockets, timeout_s=20) for _ in range(2)],
+    )
     connect(policy, rollouts)
 
     def failing() -> Iterator[tuple[str, torch.Tensor]]:

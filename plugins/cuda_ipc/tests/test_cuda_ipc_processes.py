@@ -84,7 +84,9 @@ def failures_by_worker(error: RefitFailedError) -> dict[str, Any]:
     return {f.worker: f for f in error.failures}
 
 
-def kill_later(pool: LocalProcessPool, index: int, delay_s: float, sig: int = signal.SIGKILL) -> tuple[threading.Timer, list[float]]:
+def kill_later(
+    pool: LocalProcessPool, index: int, delay_s: float, sig: int = signal.SIGKILL
+) -> tuple[threading.Timer, list[float]]:
     """Send ``sig`` to worker ``index`` after ``delay_s``; the list gets the time it was sent."""
     sent: list[float] = []
 

@@ -86,8 +86,12 @@ def test_five_refits_with_changing_values(coordinator: RefitCoordinator) -> None
 
 def test_paired_ranks_are_not_mixed_up() -> None:
     specs, labels = refit_worker_specs(
-        backend="gloo_cpu", num_policy=2, num_rollout=2, bucket_size=BUCKET,
-        engine_kwargs={"topology": "paired", "timeout_s": 60}, weights=W + "rank_dependent",
+        backend="gloo_cpu",
+        num_policy=2,
+        num_rollout=2,
+        bucket_size=BUCKET,
+        engine_kwargs={"topology": "paired", "timeout_s": 60},
+        weights=W + "rank_dependent",
     )
     with LocalProcessPool(specs, labels=labels) as pool:
         coord = RefitCoordinator(pool, num_policy=2, num_rollout=2, topology="paired", timeout_s=120)
@@ -103,8 +107,12 @@ def test_paired_ranks_are_not_mixed_up() -> None:
 @pytest.mark.parametrize("with_default_group", [False, True])
 def test_the_callers_default_process_group_is_untouched(with_default_group: bool) -> None:
     specs, labels = refit_worker_specs(
-        backend="gloo_cpu", num_policy=1, num_rollout=2, bucket_size=BUCKET,
-        engine_kwargs={"timeout_s": 60}, weights=W + "every_dtype",
+        backend="gloo_cpu",
+        num_policy=1,
+        num_rollout=2,
+        bucket_size=BUCKET,
+        engine_kwargs={"timeout_s": 60},
+        weights=W + "every_dtype",
     )
     for spec in specs:
         spec["service"] = "default_group_worker:DefaultGroupWorker"
@@ -116,5 +124,7 @@ def test_the_callers_default_process_group_is_untouched(with_default_group: bool
         coord.refit()
         coord.finalize()
         states = [r.value for r in pool.call([(i, "default_group_state", {}) for i in range(3)], 30)]
-    expected = {"initialized": True, "world_size": 1, "backend": "gloo"} if with_default_group else {"initialized": False}
+    expected = (
+        {"initialized": True, "world_size": 1, "backend": "gloo"} if with_default_group else {"initialized": False}
+    )
     assert states == [expected] * 3

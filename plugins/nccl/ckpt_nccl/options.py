@@ -52,8 +52,7 @@ def parse_device(owner: str, device: Any) -> int | None:
         if match:
             return None if match.group(1) is None else int(match.group(1))
     raise EngineOptionError(
-        f"{owner}: device must be 'cuda' (the current CUDA device) or 'cuda:N' with N >= 0, "
-        f"got {device!r}"
+        f"{owner}: device must be 'cuda' (the current CUDA device) or 'cuda:N' with N >= 0, got {device!r}"
     )
 
 

@@ -7,10 +7,12 @@
 Stream order, per bucket. Sender: small chunks are packed on the pack stream (through
 :meth:`NcclSender.pack`) and large ones are sent from the caller's tensor (direct chunks); the
 checksum and the NCCL sends are queued after that (the pack stream first waits for the
-caller's stream, and ProcessGroupNCCL's stream waits for the stream current at the call); ``wait_slot`` blocks the thread until the send is complete, so
+caller's stream, and ProcessGroupNCCL's stream waits for the stream current at the call);
+``wait_slot`` blocks the thread until the send is complete, so
 the slot can then be refilled, and the caller's tensor freed, on any stream.
 Receiver: the NCCL receives (into the slot, and direct chunks into their output tensors) wait
-for the caller's current stream (where the previous use of the slot was copied out); ``wait_payload`` blocks the thread until it is complete and orders
+for the caller's current stream (where the previous use of the slot was copied out);
+``wait_payload`` blocks the thread until it is complete and orders
 the caller's stream after it. The pipeline then verifies the payload's device checksum.
 """
 
@@ -94,7 +96,9 @@ def link_members(topology: str, role: str, rank: int, train_world_size: int, rol
     return [rank, train_world_size + rank]
 
 
-def check_distinct_gpus(owner: str, metadata: Sequence[dict[str, Any]], members: Sequence[int], train_world_size: int) -> None:
+def check_distinct_gpus(
+    owner: str, metadata: Sequence[dict[str, Any]], members: Sequence[int], train_world_size: int
+) -> None:
     """Refuse a link whose members share a GPU (NCCL cannot put two ranks of one communicator
     on one device); raises ``EngineOptionError`` naming both workers."""
     seen: dict[str, int] = {}

@@ -15,7 +15,8 @@ from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
+
+from ckpt_core.transport import gloo_group
 from ckpt_nccl.cuda import PackStream, Platform
 from ckpt_nccl.engine import NcclCheckpointEngine
 
@@ -44,10 +45,7 @@ class HostPlatform:
         return f"host-{os.uname().nodename}-pid{os.getpid()}"
 
     def new_group(self, store: Any, rank: int, size: int, *, device: torch.device, timeout_s: float) -> Any:
-        options = dist.ProcessGroupGloo._Options()
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        options._timeout = datetime.timedelta(seconds=timeout_s)
-        return dist.ProcessGroupGloo(store, rank, size, options)
+        return gloo_group(store, rank, size, host="127.0.0.1", timeout=datetime.timedelta(seconds=timeout_s))
 
     def new_pack_stream(self, device: torch.device) -> PackStream:
         return HostPackStream()

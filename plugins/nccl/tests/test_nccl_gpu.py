@@ -16,15 +16,15 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from ckpt_nccl import NcclCheckpointEngine
-from ckpt_nccl.cuda import CudaPackStream, CudaPlatform
-from ckpt_nccl.transport import NcclSender, PayloadGroup
 
 from ckpt_core._internal.device_checksum import device_payload_checksum
 from ckpt_core.chunking import split_weight_chunks, tensor_bytes
 from ckpt_core.contract import TensorMeta
 from ckpt_core.errors import EngineOptionError
 from ckpt_core.testing.weights import every_dtype
+from ckpt_nccl import NcclCheckpointEngine
+from ckpt_nccl.cuda import CudaPackStream, CudaPlatform
+from ckpt_nccl.transport import NcclSender, PayloadGroup
 
 REASON = CudaPlatform().unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"needs CUDA and NCCL: {REASON}")]
@@ -117,8 +117,13 @@ def test_the_sender_pipeline_packs_checksums_and_sends_into_a_one_rank_link():
     try:
         stats = asyncio.run(
             send_refit(
-                iter(weights), sender, bucket_size=bucket_size, context=notifier.context(0), notifier=notifier,
-                timeout_s=60.0, checksum=checksum,
+                iter(weights),
+                sender,
+                bucket_size=bucket_size,
+                context=notifier.context(0),
+                notifier=notifier,
+                timeout_s=60.0,
+                checksum=checksum,
             )
         )
         # Each bucket's parts, as checksummed: its packed slot bytes (chunks closed up at

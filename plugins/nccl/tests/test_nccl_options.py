@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ckpt_nccl import NcclCheckpointEngine
-from ckpt_nccl.cuda import CudaPlatform
-from ckpt_nccl.options import check_options, parse_device
 from nccl_host_platform import HostNcclEngine
 
 from ckpt_core import create_checkpoint_engine, list_backends
 from ckpt_core._internal.device_checksum import device_payload_checksum
 from ckpt_core.errors import BackendUnavailableError, EngineOptionError
 from ckpt_core.registry import check_engine_kwargs
+from ckpt_nccl import NcclCheckpointEngine
+from ckpt_nccl.cuda import CudaPlatform
+from ckpt_nccl.options import check_options, parse_device
 
 GOOD = dict(
     bucket_size=1 << 20,
@@ -29,13 +29,22 @@ NO_GPU = CudaPlatform().unavailable_reason() is not None
 
 @pytest.mark.parametrize(
     ("device", "index"),
-    [("cuda", None), ("cuda:0", 0), ("cuda:3", 3), (" cuda:1 ", 1), (torch.device("cuda", 2), 2), (torch.device("cuda"), None)],
+    [
+        ("cuda", None),
+        ("cuda:0", 0),
+        ("cuda:3", 3),
+        (" cuda:1 ", 1),
+        (torch.device("cuda", 2), 2),
+        (torch.device("cuda"), None),
+    ],
 )
 def test_device_names_parse_to_an_index(device, index):
     assert parse_device("E", device) == index
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda:-1", "cuda:x", "cuda:", "gpu", "", "CUDA", 0, None, torch.device("cpu")])
+@pytest.mark.parametrize(
+    "device", ["cpu", "cuda:-1", "cuda:x", "cuda:", "gpu", "", "CUDA", 0, None, torch.device("cpu")]
+)
 def test_bad_device_names_are_refused(device):
     with pytest.raises(EngineOptionError, match="device"):
         parse_device("E", device)

@@ -8,17 +8,14 @@ import datetime
 import pytest
 import torch
 import torch.distributed as dist
-from ckpt_nccl.transport import PayloadGroup, check_distinct_gpus, link_members
 
 from ckpt_core.errors import EngineOptionError, WireFormatError
+from ckpt_core.transport import gloo_group
+from ckpt_nccl.transport import PayloadGroup, check_distinct_gpus, link_members
 
 
 def _solo_group() -> PayloadGroup:
-    store = dist.HashStore()
-    options = dist.ProcessGroupGloo._Options()
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    options._timeout = datetime.timedelta(seconds=10)
-    return PayloadGroup(dist.ProcessGroupGloo(store, 0, 1, options))
+    return PayloadGroup(gloo_group(dist.HashStore(), 0, 1, host="127.0.0.1", timeout=datetime.timedelta(seconds=10)))
 
 
 def test_payload_group_broadcasts_and_refuses_send_recv_outside_a_pair():
@@ -50,7 +47,11 @@ def test_link_members(topology, role, rank, members):
 
 
 def test_distinct_gpus_pass_and_a_shared_gpu_names_both_workers():
-    metadata = [{"gpu_uuid": "GPU-a", "device": "cuda:0"}, {"gpu_uuid": "GPU-b"}, {"gpu_uuid": "GPU-a", "device": "cuda:0"}]
+    metadata = [
+        {"gpu_uuid": "GPU-a", "device": "cuda:0"},
+        {"gpu_uuid": "GPU-b"},
+        {"gpu_uuid": "GPU-a", "device": "cuda:0"},
+    ]
     check_distinct_gpus("E", metadata, [0, 1], train_world_size=2)
     with pytest.raises(EngineOptionError, match=r"policy rank 0 and rollout rank 0 are on the same GPU \(GPU-a"):
         check_distinct_gpus("E", metadata, [0, 1, 2], train_world_size=2)
