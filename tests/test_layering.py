@@ -25,7 +25,7 @@ TRANSPORT_API = ("ckpt_core.transport", "ckpt_core.contract", "ckpt_core.errors"
 
 def imported_modules(path: Path) -> list[str]:
     """Every absolute module name ``path`` imports (``from x import y`` counts as ``x``)."""
-    names = []
+    names: list[str] = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names.extend(alias.name for alias in node.names)
