@@ -214,6 +214,11 @@ class DistributedEngine(BucketedEngine):
     (a shared secret checked at rendezvous, see :mod:`ckpt_core._internal.auth`; default: the
     ``CKPT_CORE_AUTH_TOKEN`` environment variable, else none), ``release_after_refit`` and
     ``shard_expert_weights`` (see :class:`~ckpt_core.transport.engine.BucketedEngine`).
+
+    What a subclass provides: ``backend_name``, ``device_type`` and ``_new_data_group``
+    (abstract: the group payloads move on); optionally ``_new_control_group``,
+    ``_shares_control_group``, ``_buffer_device``, ``_new_sender`` and ``_new_receiver``.
+    The rendezvous (``_connect_store``, ``_make_link``) and the topology are this class's.
     """
 
     device_type: ClassVar[str] = "cpu"
