@@ -341,3 +341,58 @@ class NaiveMethod(Method):
 def describe_error(exc: BaseException) -> str:
     """What failed, in one string (a ``RefitFailedError`` lists each worker's error)."""
     return f"{type(exc).__name__}: {exc}".strip()[:2000]
+
+
+class ProduceMethod(Method):
+    """Producing the payload alone, in one process: what a refit of produced weights must hide."""
+
+    kind = "produce"
+    shape = "local"
+
+    def __init__(self, *, key: str, label: str, timeout_s: float) -> None:
+        super().__init__(timeout_s=timeout_s)
+        self.key, self.label = key, label
+        self.layout: list[dict[str, Any]] = []
+
+    def open(self) -> None:
+        self._start([{"service": "benchmarks.services:ProduceWorker"}], ["producer"])
+
+    def sample(self, payload: Payload) -> Sample:
+        (record,) = self._call(
+            "produce", [(0, "produce", {"weights": payload.weights, "weights_params": payload.weights_params})]
+        )
+        self.layout = record.pop("layout")
+        return Sample(record["ended_at"] - record["started_at"], (_worker_sample("producer", "local", record),))
+
+
+class NaiveLoopMethod(Method):
+    """Produce a tensor, ``dist.send`` it, repeat; the receiver allocates and ``recv``s each."""
+
+    kind = "naive"
+    shape = "1->1"
+
+    def __init__(self, *, key: str, label: str, layout: ProduceMethod, timeout_s: float) -> None:
+        super().__init__(timeout_s=timeout_s)
+        self.key, self.label = key, label
+        self._layout = layout  # the receiver's shapes and dtypes, from the producer's last run
+
+    def open(self) -> None:
+        specs = [
+            {"service": "benchmarks.services:NaiveLoopWorker", "rank": r, "size": 2, "timeout_s": self.timeout_s}
+            for r in range(2)
+        ]
+        self._start(specs, ["loop sender", "loop receiver"])
+        metadata = self._call("naive loop prepare", [(r, "prepare", {}) for r in range(2)])
+        self._call("naive loop init", [(r, "init", {"metadata": metadata}) for r in range(2)])
+
+    def sample(self, payload: Payload) -> Sample:
+        kwargs = {"weights": payload.weights, "weights_params": payload.weights_params, "layout": self._layout.layout}
+        sender, receiver = self._call("naive loop", [(r, "loop", kwargs) for r in range(2)])
+        if receiver["tensors"] != payload.tensors:
+            raise RuntimeError(f"{self.label}: received {receiver['tensors']} tensors, expected {payload.tensors}")
+        seconds = receiver["ended_at"] - sender["started_at"]
+        workers = (
+            _worker_sample("loop sender", "sender", sender),
+            _worker_sample("loop receiver", "receiver", receiver),
+        )
+        return Sample(seconds, workers)

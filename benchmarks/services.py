@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ckpt_core._internal.dtypes import dtype_from_name, dtype_name
 from ckpt_core.bench.baselines import RawGlooWorker
 from ckpt_core.orchestration.worker import RefitWorker
 from ckpt_core.orchestration.workload import load_target
@@ -210,3 +211,47 @@ class NaiveWorker(_Measured):
         self._end(record)
         del state
         return record
+
+
+class ProduceWorker(_Measured):
+    """Producing alone: run a weights factory to its end, dropping each tensor once made, as
+    a sender that had nothing to send would (the "produce alone" side of the overlap check)."""
+
+    def produce(self, *, weights: str, weights_params: dict[str, Any]) -> dict[str, Any]:
+        record = self._begin()
+        start = time.perf_counter()
+        layout = []
+        for _, tensor in _weights(weights, weights_params):
+            layout.append({"shape": list(tensor.shape), "dtype": dtype_name(tensor.dtype)})
+        end = time.perf_counter()
+        record.update(started_at=start, ended_at=end, layout=layout)
+        return self._end(record)
+
+
+class NaiveLoopWorker(RawGlooWorker, _Measured):
+    """The loop a user writes without a pipeline: the sender makes a tensor, ``send``s it and
+    waits, then makes the next; the receiver allocates each tensor (``layout``: the shapes and
+    dtypes, known in advance) and ``recv``s into it. One tensor in flight, nothing overlapped."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        _Measured.__init__(self)
+        RawGlooWorker.__init__(self, **kwargs)
+
+    def loop(self, *, weights: str, weights_params: dict[str, Any], layout: list[dict[str, Any]]) -> dict[str, Any]:
+        record = self._begin()
+        self._group.barrier().wait(self.timeout)
+        start = time.perf_counter()
+        received = []
+        if self.rank == 0:
+            for _, tensor in _weights(weights, weights_params):
+                data = tensor.contiguous().reshape(-1).view(torch.uint8)
+                self._group.send([data], 1, 0).wait(self.timeout)
+        else:
+            for entry in layout:
+                tensor = torch.empty(entry["shape"], dtype=dtype_from_name(entry["dtype"]))
+                self._group.recv([tensor.reshape(-1).view(torch.uint8)], 0, 0).wait(self.timeout)
+                received.append(tensor)
+        end = time.perf_counter()
+        record.update(started_at=start, ended_at=end, tensors=len(received))
+        del received
+        return self._end(record)

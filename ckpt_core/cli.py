@@ -16,6 +16,8 @@ import sys
 import time
 from typing import Any
 
+from ckpt_core.bench import PRODUCE_MODES
+
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -69,6 +71,13 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--device", default=None, help="engine device option, e.g. cpu for cuda_ipc")
     bench.add_argument("--refits", type=int, default=3, help="timed refits after one warm-up (default 3)")
+    bench.add_argument(
+        "--produce",
+        choices=PRODUCE_MODES,
+        default=None,
+        help="make each weight while the refit runs, as a trainer does: cast-bf16 (from fp32 masters) "
+        "or fill (allocate and fill); default: weights made ready before the refit",
+    )
     bench.add_argument(
         "--option",
         type=parse_option,
@@ -179,6 +188,7 @@ def _bench(args: argparse.Namespace) -> int:
         progress=not args.no_progress and args.launcher == "local" and sys.stderr.isatty() or False,
         launcher=args.launcher,
         ray_address=args.ray_address,
+        produce=args.produce,
     )
     started = time.time()
     result = run_bench(config)
@@ -200,6 +210,7 @@ def format_bench(result: dict[str, Any]) -> str:
         f"{cfg['backend']} {cfg['topology']} {cfg['num_policy']}->{cfg['num_rollout']}, "
         f"{result['payload_bytes'] / 2**20:.0f} MiB in {result['tensors']} tensors, "
         f"bucket {cfg['bucket_size'] / 2**20:g} MiB, median of {cfg['refits']} refits"
+        + (f", weights produced during the refit ({cfg['produce']})" if cfg.get("produce") else "")
     )
     rows: list[tuple[Any, ...]] = [
         ("rank", "GB/s", "seconds", "pack s", "transfer s", "unpack s", "checksum s", "peak RSS MiB")

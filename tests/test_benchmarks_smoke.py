@@ -111,3 +111,25 @@ def test_a_failing_backend_is_recorded_and_the_others_still_run(tmp_path: Path) 
     by_key = {r.method["key"]: r for r in records}
     assert by_key["broken"].samples == [] and "no_such_backend_for_bench" in (by_key["broken"].error or "")
     assert by_key["memcpy"].error is None and len(by_key["memcpy"].samples) == 2
+
+
+def test_the_producing_workload_runs_side_by_side(tmp_path: Path) -> None:
+    """``python -m benchmarks.produce`` in a tiny configuration: every method runs on the
+    produced payload, the refit of produced weights is verified bit-exact in its warm-up, and the
+    ratios the performance issue sets are reported."""
+    from benchmarks.produce import main
+
+    assert (
+        main(["--size", "8MiB", "--bucket-size", "2MiB", "--reps", "1", "--out", str(tmp_path), "--timeout", "120"])
+        == 0
+    )
+    results = json.loads((tmp_path / "produce.json").read_text())
+    assert set(results["modes"]) == {"cast-bf16", "fill"}
+    for mode, result in results["modes"].items():
+        assert set(result["median_seconds"]) == {"produce", "refit", "raw", "naive", "refit_ready"}, mode
+        assert all(seconds > 0 for seconds in result["median_seconds"].values()), mode
+        assert result["payload_bytes"] > 0 and result["speedup_over_naive"] > 0
+    # cast-bf16 turns the payload's fp32 norms into bf16: fewer bytes than the ready payload
+    assert results["modes"]["cast-bf16"]["payload_bytes"] < results["modes"]["cast-bf16"]["ready_payload_bytes"]
+    assert results["modes"]["fill"]["payload_bytes"] == results["modes"]["fill"]["ready_payload_bytes"]
+    assert "| cast-bf16 |" in (tmp_path / "produce.md").read_text()

@@ -36,6 +36,9 @@ class BenchConfig:
     """``"local"`` (subprocesses) or ``"ray"`` (Ray actors; the raw Gloo floor stays local)."""
     ray_address: str | None = None
     """With ``launcher="ray"``: the cluster to join; ``None`` starts a local one."""
+    produce: str | None = None
+    """Make each weight as the refit asks for it (:mod:`ckpt_core.bench.produce`), or ``None``
+    to send weights made ready before the refit."""
 
     @property
     def topology(self) -> str:
@@ -55,6 +58,9 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
         weights, params = "ckpt_core.bench.synthetic:safetensors_weights", {"path": config.model}
     else:
         weights, params = "ckpt_core.bench.synthetic:transformer_weights", {"size_bytes": config.size_bytes}
+    if config.produce is not None:
+        params = {"mode": config.produce, "source": weights, "source_params": params}
+        weights = "ckpt_core.bench.produce:produced_weights"
     specs, labels = refit_worker_specs(
         backend=config.backend,
         num_policy=config.num_policy,
