@@ -7,6 +7,7 @@ import functools
 import torch
 
 from .errors import UnsupportedTensorError, WireFormatError
+from .storage_check import check_storage
 
 # Quantized dtypes carry a scale and zero point outside their bytes: moving the bytes alone
 # would silently change the values, so they are refused rather than mangled.
@@ -59,6 +60,11 @@ def check_transferable(name: str, tensor: object) -> torch.Tensor:
             f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor; "
             "yield (name, tensor) pairs"
         )
+    if tensor.is_nested:
+        raise UnsupportedTensorError(
+            f"weight {name!r} is a nested tensor; its components have different shapes and no "
+            "single byte layout: send each component (tensor.unbind()) as a weight of its own"
+        )
     if tensor.is_quantized:
         raise UnsupportedTensorError(
             f"weight {name!r} is quantized ({dtype_name(tensor.dtype)}); its scale and zero "
@@ -74,4 +80,5 @@ def check_transferable(name: str, tensor: object) -> torch.Tensor:
         raise UnsupportedTensorError(
             f"weight {name!r} is on the meta device and has no data; materialize it first"
         )
+    check_storage(name, tensor)
     return tensor
