@@ -43,10 +43,17 @@ class _State(enum.Enum):
     FAILED = "failed (a refit failed: call finalize(), then prepare() and init again)"
 
 
-def check_positive_number(owner: str, option: str, value: Any) -> float:
-    """``value`` as a finite float > 0, else ``EngineOptionError``."""
+MAX_TIMEOUT_S = 30 * 86400.0
+"""Longest ``timeout_s`` (30 days). Gloo and the store keep deadlines in nanoseconds of an
+int64, which overflows past about 9.2e9 s (and ``timedelta`` past 8.6e13 s)."""
+
+
+def check_positive_number(owner: str, option: str, value: Any, maximum: float = math.inf) -> float:
+    """``value`` as a finite float in (0, ``maximum``], else ``EngineOptionError``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise EngineOptionError(f"{owner}: {option} must be a finite number > 0, got {value!r}")
+    if value > maximum:
+        raise EngineOptionError(f"{owner}: {option} must be at most {maximum:g}, got {value!r}")
     return float(value)
 
 
@@ -77,7 +84,7 @@ class BucketedEngine(CheckpointEngine):
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
             raise EngineOptionError(f"{owner}: bucket_size must be an int >= 1 (bytes), got {bucket_size!r}")
         self.bucket_size = bucket_size
-        self.timeout_s = check_positive_number(owner, "timeout_s", timeout_s)
+        self.timeout_s = check_positive_number(owner, "timeout_s", timeout_s, MAX_TIMEOUT_S)
         self.checksum = check_bool(owner, "checksum", checksum)
         self._state = _State.NEW
         self._engine_id = ""

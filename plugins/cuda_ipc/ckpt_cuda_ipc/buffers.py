@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ckpt_core.errors import BackendUnavailableError, WireFormatError
+from ckpt_core.errors import BackendUnavailableError, OutOfMemoryError, WireFormatError
 
 PAGE = 4096
 IPC_HANDLE_BYTES = 64
@@ -68,11 +68,11 @@ class HostSlots:
         size = slot_stride(bucket_size) * num_slots
         fd = os.memfd_create("ckpt-cuda-ipc-slots", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.ftruncate(fd, size)
             try:
+                os.ftruncate(fd, size)
                 os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                raise BackendUnavailableError(
+            except (OSError, OverflowError) as exc:  # EFBIG/ENOSPC; a size past off_t
+                raise OutOfMemoryError(
                     f"cannot reserve {size} bytes of shared memory for {num_slots} bucket slots "
                     f"({exc}); lower bucket_size_bytes or free memory"
                 ) from exc
@@ -188,7 +188,13 @@ class CudaSlots:
         cupy = import_cupy()
         size = slot_stride(bucket_size) * num_slots
         with cupy.cuda.Device(device.index):
-            pointer = int(cupy.cuda.runtime.malloc(size))
+            try:
+                pointer = int(cupy.cuda.runtime.malloc(size))
+            except (cupy.cuda.runtime.CUDARuntimeError, OverflowError) as exc:
+                raise OutOfMemoryError(
+                    f"cannot allocate {size} bytes on {device} for {num_slots} bucket slots ({exc}); "
+                    "lower bucket_size_bytes or free device memory"
+                ) from exc
             try:
                 cupy.cuda.runtime.memset(pointer, 0, size)
                 slots = cls(cupy, pointer, True, device, bucket_size, num_slots)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ckpt_core.distributed import TOPOLOGIES
-from ckpt_core.engine import check_bool, check_choice, check_positive_number
+from ckpt_core.engine import MAX_TIMEOUT_S, check_bool, check_choice, check_positive_number
 from ckpt_core.errors import EngineOptionError
 
 _CUDA_DEVICE = re.compile(r"cuda(?::(\d+))?")
@@ -82,7 +82,7 @@ def check_options(
         bucket_size=bucket_size,
         topology=check_choice(owner, "topology", topology, TOPOLOGIES),
         host=host,
-        timeout_s=check_positive_number(owner, "timeout_s", timeout_s),
+        timeout_s=check_positive_number(owner, "timeout_s", timeout_s, MAX_TIMEOUT_S),
         checksum=check_bool(owner, "checksum", checksum),
         device_index=parse_device(owner, device),
         release_buffers=check_bool(owner, "release_buffers", release_buffers),
