@@ -93,6 +93,7 @@ class BucketedEngine(CheckpointEngine):
         self._rank = -1
         self._refit_index = 0
         self._busy = False
+        self._generation = 0  # counts finalize() calls: a refit outliving one was cut off
         self.last_stats: RefitStats | None = None
         """Statistics of this worker's last completed refit."""
 
@@ -159,6 +160,7 @@ class BucketedEngine(CheckpointEngine):
             self._state = _State.NEW
             self._refit_index = 0
             self._busy = False
+            self._generation += 1
 
     def _drop_transport(self) -> None:
         try:
@@ -178,6 +180,16 @@ class BucketedEngine(CheckpointEngine):
         except Exception:  # noqa: BLE001 - the refit's own error is what the caller needs
             pass
 
+    def _raise_if_cut_off(self, generation: int, call: str, exc: BaseException) -> None:
+        """A refit raised ``exc``: if ``finalize()`` ran meanwhile (from the weights generator,
+        the loader or another thread), its torn-down transport is the cause, so the caller gets
+        a ``LifecycleError`` and the engine stays finalized."""
+        if generation != self._generation and isinstance(exc, Exception):
+            raise LifecycleError(
+                f"{type(self).__name__}.{call}: finalize() was called during this refit, which "
+                "voids it; finalize only after the refit's call returned or raised"
+            ) from exc
+
     async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None]) -> None:
         """Send one refit. Runs the transfer on the calling thread, yielding to the event loop
         between buckets. A policy rank without a receiver drains ``weights`` (its iterator may
@@ -190,6 +202,7 @@ class BucketedEngine(CheckpointEngine):
                 self._refit_index += 1
                 return
             notifier = RefitNotifier(self.backend_name, "policy", self._rank)
+            generation = self._generation
             try:
                 self.last_stats = await send_refit(
                     weights,
@@ -200,7 +213,8 @@ class BucketedEngine(CheckpointEngine):
                     timeout_s=self.timeout_s,
                     checksum=self._payload_checksum(),
                 )
-            except BaseException:
+            except BaseException as exc:
+                self._raise_if_cut_off(generation, "send_weights()", exc)
                 self._fail()
                 raise
             self._refit_index += 1
@@ -216,6 +230,7 @@ class BucketedEngine(CheckpointEngine):
             notifier = RefitNotifier(self.backend_name, "rollout", self._rank)
             stats = RefitStats()
             completed = False
+            generation = self._generation
             try:
                 async for batch in receive_refit(
                     self._receiver,
@@ -229,11 +244,14 @@ class BucketedEngine(CheckpointEngine):
                 ):
                     yield batch
                 completed = True
+            except Exception as exc:
+                self._raise_if_cut_off(generation, "receive_weight_batches()", exc)
+                raise
             finally:
                 if completed:
                     self.last_stats = stats
                     self._refit_index += 1
-                else:
+                elif generation == self._generation:
                     self._fail()
 
     # --- checks ------------------------------------------------------------------------
