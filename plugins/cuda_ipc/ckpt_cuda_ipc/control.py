@@ -107,6 +107,11 @@ class Channel:
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet returned as whole frames."""
+        return len(self._inbox)
+
     def send(self, kind: Kind, body: bytes, deadline: Deadline, phase: str, fds: Sequence[int] = ()) -> None:
         """Send one frame (and ``fds`` with its first byte), all of it, by ``deadline``."""
         data = _PREFIX.pack(int(kind), len(body)) + body
@@ -292,6 +297,16 @@ class Listener:
             conn, _ = self.sock.accept()
         except (TimeoutError, socket.timeout):
             return None
+        return conn
+
+    def accept_now(self) -> socket.socket | None:
+        """A connection waiting to be accepted, or ``None`` if there is none right now."""
+        self.sock.setblocking(False)
+        try:
+            conn, _ = self.sock.accept()
+        except (BlockingIOError, InterruptedError):
+            return None
+        conn.setblocking(True)
         return conn
 
     def close(self) -> None:
