@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from .agreement import AGREED_KEY, check_metadata_agreement
 from .base import CheckpointEngine
 from .checksum import payload_checksum
 from .errors import EngineOptionError, InvalidArgumentError, LifecycleError, WireFormatError
@@ -123,12 +124,18 @@ class BucketedEngine(CheckpointEngine):
     def _merge_device(self) -> torch.device | str | None:
         return None
 
+    def _agreed_settings(self) -> dict[str, Any]:
+        """Settings every worker of this engine must share (plain JSON values), compared with
+        every peer's at init (:mod:`ckpt_core.agreement`); transports add their own."""
+        return {"bucket_size": self.bucket_size, "checksum": self.checksum}
+
     # --- the seed lifecycle ------------------------------------------------------------
 
     def prepare(self) -> dict[str, Any]:
         self._require(_State.NEW, "prepare()")
         self._engine_id = uuid.uuid4().hex
         metadata = {"backend": self.backend_name, "format": FORMAT_VERSION, "engine_id": self._engine_id}
+        metadata[AGREED_KEY] = self._agreed_settings()
         metadata.update(self._prepare_transport())
         self._state = _State.PREPARED
         return metadata
@@ -328,6 +335,7 @@ class BucketedEngine(CheckpointEngine):
                 f"{owner}: metadata[{own_index}] is not this engine's prepare() result: order the "
                 "list as policy entries by worker_rank, then rollout entries by rollout_rank"
             )
+        check_metadata_agreement(owner, self._agreed_settings(), metadata, train_world_size)
         return metadata
 
 
