@@ -225,11 +225,15 @@ class CudaIpcCheckpointEngine(BucketedEngine):
             )
         device = self._buffer_device()
         slots: HostSlots | CudaSlots
-        if device.type == "cpu":
-            slots = HostSlots.allocate(self.bucket_size, NUM_SLOTS)
-            self._host_slots.append(slots)
-        else:
-            slots = CudaSlots.allocate(device, self.bucket_size, NUM_SLOTS)
+        try:
+            if device.type == "cpu":
+                slots = HostSlots.allocate(self.bucket_size, NUM_SLOTS)
+                self._host_slots.append(slots)
+            else:
+                slots = CudaSlots.allocate(device, self.bucket_size, NUM_SLOTS)
+        except BaseException:
+            self._close_listener()  # rollouts already connecting learn of the failure at once
+            raise
         channels: list[Channel] = []
         try:
             channels = _Handshake(self, slots, train_world_size, rollout_world_size, metadata).run()
