@@ -30,11 +30,15 @@ def differences(mine: Mapping[str, Any], theirs: Any) -> list[str]:
     ``"key <theirs>, this worker <mine>"``; ``["no settings"]`` if ``theirs`` is not a mapping."""
     if not isinstance(theirs, Mapping):
         return ["no settings"]
-    return [
-        f"{key} {theirs.get(key)!r}, this worker {value!r}"
-        for key, value in mine.items()
-        if theirs.get(key) != value or type(theirs.get(key)) is not type(value)
-    ]
+    diffs = []
+    for key, value in mine.items():
+        other = theirs.get(key)
+        if other != value or type(other) is not type(value):
+            if key == "engine_ids":  # two lists of 32-digit ids say nothing more than this
+                diffs.append("another metadata list than this worker")
+            else:
+                diffs.append(f"{key} {other!r}, this worker {value!r}")
+    return diffs
 
 
 def mismatch_message(owner: str, who: str, diffs: list[str], mine: Mapping[str, Any]) -> str:
