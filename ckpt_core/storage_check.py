@@ -23,12 +23,16 @@ def check_storage(name: str, tensor: torch.Tensor) -> None:
     try:
         storage = tensor.untyped_storage()
         offset = tensor.storage_offset()
-    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        on_meta = storage.device.type == "meta"
+        available = storage.nbytes()
+        address = 0 if on_meta else storage.data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError) as exc:  # a wrapper subclass (DTensor, ...)
         raise UnsupportedTensorError(
-            f"weight {name!r} ({type(tensor).__name__}) has no storage of its own ({exc}); yield a "
-            "plain tensor (for a wrapper subclass, its local or full tensor)"
+            f"weight {name!r} ({type(tensor).__name__}) has no storage of its own "
+            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); yield a plain tensor "
+            "(for a DTensor: its full_tensor() or to_local())"
         ) from exc
-    if storage.device.type == "meta":
+    if on_meta:
         raise UnsupportedTensorError(
             f"weight {name!r} ({type(tensor).__name__}) has no data: its storage is on the meta "
             "device (a FakeTensor or a meta tensor); yield a materialized tensor"
@@ -38,8 +42,7 @@ def check_storage(name: str, tensor: torch.Tensor) -> None:
     else:
         last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
     needed = (offset + last + 1) * tensor.dtype.itemsize
-    available = storage.nbytes()
-    if available < needed or storage.data_ptr() == 0:
+    if available < needed or address == 0:
         freed = " (it was freed: resize_(0), as FSDP does to unsharded parameters)" if available == 0 else ""
         raise UnsupportedTensorError(
             f"weight {name!r} views {needed} bytes of its storage, which holds {available}{freed}; "

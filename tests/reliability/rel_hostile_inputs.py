@@ -72,6 +72,13 @@ def nested() -> torch.Tensor:
         return torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
 
 
+def wrapper_subclass() -> torch.Tensor:
+    """A wrapper tensor subclass (as DTensor is): its own storage is not its data."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    return TwoTensor(torch.arange(1 << 16, dtype=torch.float32), torch.zeros(1 << 16))
+
+
 def bad_weight(backend: str, make: Callable[[], torch.Tensor], **options: Any) -> Callable[[Path], Any]:
     """A refit on a live pair whose second weight is ``make()``: the policy's error is the
     case's; the rollout must get RemoteRefitError carrying it (and nothing crashes)."""
@@ -238,6 +245,8 @@ HOSTILE_CASES: list[Case] = [
          (UnsupportedTensorError,), r"weight 'w' views 262144 bytes of its storage, which holds 1000"),
     Case("weight-fake-tensor", "a `FakeTensor`", bad_weight("gloo_cpu", fake), (UnsupportedTensorError,),
          r"weight 'w' \(FakeTensor\) has no data: its storage is on the meta device"),
+    Case("weight-wrapper-subclass", "a wrapper tensor subclass (as DTensor is; here `TwoTensor`)", bad_weight("gloo_cpu", wrapper_subclass),
+         (UnsupportedTensorError,), r"weight 'w' \(TwoTensor\) has no storage of its own.*full_tensor\(\)"),
     Case("weight-nested", "a nested tensor", bad_weight("gloo_cpu", nested), (UnsupportedTensorError,),
          r"weight 'w' is a nested tensor.*unbind"),
     # point 5: settings that both sides must share, set on one side only
