@@ -282,8 +282,12 @@ HOSTILE_CASES: list[Case] = [
          (LifecycleError,), r"send_weights\(\): finalize\(\) was called during this refit"),
     Case("ipc-finalize-during-send", "`finalize()` on the policy during its refit (cuda_ipc)", finalize_while_sending("cuda_ipc", **IPC),
          (LifecycleError,), r"send_weights\(\): finalize\(\) was called during this refit"),
-    Case("finalize-during-receive", "`finalize()` on the rollout during its refit (gloo_cpu)", finalize_while_receiving("gloo_cpu"),
-         (LifecycleError,), r"receive_weight_batches\(\): finalize\(\) was called during this refit"),
+    *[
+        Case(f"{prefix}finalize-during-receive", f"`finalize()` on the rollout during its refit ({backend})",
+             finalize_while_receiving(backend, **opts), (LifecycleError,),
+             r"receive_weight_batches\(\): finalize\(\) was called during this refit")
+        for prefix, backend, opts in (("", "gloo_cpu", {}), ("ipc-", "cuda_ipc", IPC))
+    ],
 ]
 
 assert all(issubclass(t, CheckpointEngineError) for case in HOSTILE_CASES for t in case.expect)
