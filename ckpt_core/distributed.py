@@ -375,9 +375,15 @@ class DistributedEngine(BucketedEngine):
             raise
 
     def _seal(self, store: Any, identity: str, members: list[str]) -> None:
-        """Every group this worker needs has formed: stop listening for anyone else. Members
-        report their groups formed and drop the store; policy rank 0 closes the store server
-        once every member has reported (they may still be forming groups among themselves)."""
+        """Every group this worker needs has formed: stop listening for anyone else. Its Gloo
+        listeners are fenced at once (a pair is connected on both ends once either end's group
+        has formed, so no member needs them any more). Members then report their groups formed
+        and drop the store; policy rank 0 closes the store server once every member has
+        reported (they may still be forming groups among themselves)."""
+        lazy = lazy_init()  # Gloo would connect pairs later, through the listener and the store
+        if not lazy:
+            for fence in self._fences:
+                fence.apply()
         try:
             if identity != "policy rank 0":
                 store.set(f"formed/{identity}", "ok")
@@ -392,13 +398,8 @@ class DistributedEngine(BucketedEngine):
                 f"waiting for every member's groups to form, as {identity}, did not complete within "
                 f"{self.timeout_s:g}s: {exc}"
             ) from exc
-        if lazy_init():  # Gloo would connect pairs later, through the listener and the store
-            return
-        for fence in self._fences:
-            fence.apply()
-        if self._store_needed_after_init():
-            return
-        self._close_store()
+        if not lazy and not self._store_needed_after_init():
+            self._close_store()
 
     def _store_needed_after_init(self) -> bool:
         """Whether the data group may still use the store after forming. A Gloo group never
