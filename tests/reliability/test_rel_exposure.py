@@ -29,9 +29,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ckpt_core.base import create_checkpoint_engine
+from ckpt_core.base import CheckpointEngine, create_checkpoint_engine
 from ckpt_cuda_ipc.control import Kind, encode_json
-from rel_inprocess import Pair, collect, concurrently
+from rel_inprocess import collect, concurrently
 from rel_team import HERE, worker_env
 
 NOFILE = 256
@@ -110,6 +110,17 @@ def test_strangers_connecting_to_every_port_cannot_exhaust_descriptors() -> None
     assert f"{host}:{store_port}" not in ready["listening"], "the rendezvous store still listens after init"
 
 
+def _refit_once(policy: CheckpointEngine, rollout: CheckpointEngine) -> None:
+    """One refit between two initialized engines, checked bit-exact."""
+    weights = [("w", torch.arange(5000, dtype=torch.float32))]
+    sent, received = concurrently(
+        lambda: asyncio.run(policy.send_weights(iter(weights))),  # type: ignore[arg-type]
+        lambda: asyncio.run(collect(rollout)),
+    )
+    sent.get()
+    assert [t.tolist() for _, t in received.get()] == [weights[0][1].tolist()]
+
+
 def test_the_rendezvous_store_is_closed_after_init() -> None:
     """An unauthenticated client could write keys into policy rank 0's store for the engine's
     whole life; once the groups have formed it must be gone."""
@@ -128,13 +139,7 @@ def test_the_rendezvous_store_is_closed_after_init() -> None:
         with pytest.raises((RuntimeError, OSError)):
             stranger = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=1))
             stranger.set("stranger/" + "k" * 64, b"x" * (1 << 20))  # reached only if it connected
-        weights = [("w", torch.arange(5000, dtype=torch.float32))]
-        sent, received = concurrently(
-            lambda: asyncio.run(policy.send_weights(iter(weights))),  # type: ignore[arg-type]
-            lambda: asyncio.run(collect(rollout)),
-        )
-        sent.get()
-        assert [t.tolist() for _, t in received.get()] == [weights[0][1].tolist()]
+        _refit_once(policy, rollout)
     finally:
         policy.finalize()
         rollout.finalize()
@@ -170,12 +175,7 @@ def _init_with_strangers(strangers: list[bytes | None], timeout_s: float = 10.0)
         )
         policy_init.get()
         rollout_init.get()
-        pair = Pair.__new__(Pair)
-        pair.policy, pair.rollout = policy, rollout
-        weights = [("w", torch.arange(3000, dtype=torch.float32))]
-        sent, received = pair.refit(lambda: weights)
-        sent.get()
-        assert [t.tolist() for _, t in received.get()] == [weights[0][1].tolist()]
+        _refit_once(policy, rollout)
     finally:
         for sock in sockets:
             sock.close()

@@ -287,18 +287,6 @@ class Listener:
             self.close()
             raise
 
-    def accept(self, deadline: Deadline) -> socket.socket | None:
-        """The next connection, or ``None`` once ``deadline`` passes."""
-        remaining = deadline.remaining()
-        if remaining <= 0:
-            return None
-        self.sock.settimeout(remaining)
-        try:
-            conn, _ = self.sock.accept()
-        except (TimeoutError, socket.timeout):
-            return None
-        return conn
-
     def accept_now(self) -> socket.socket | None:
         """A connection waiting to be accepted, or ``None`` if there is none right now."""
         self.sock.setblocking(False)
