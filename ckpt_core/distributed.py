@@ -6,9 +6,9 @@ the store, at init). Groups are built on that store, under a per-``prepare`` pre
 never registered with ``torch.distributed``: the caller's default process group is never
 created, required or changed, and ``torch.distributed.is_initialized()`` stays as it was.
 
-Once every member's groups have formed, nothing listens for strangers any more: each member
-fences its Gloo listeners (:mod:`ckpt_core.fence`) and drops the store, and policy rank 0,
-once every member said its groups formed, closes the store server (:mod:`ckpt_core.store`).
+Once its groups have formed, a worker stops listening for strangers: it fences its Gloo
+listeners at once (:mod:`ckpt_core.fence`) and drops the store; policy rank 0, once every member
+said its groups formed, closes the store server (:mod:`ckpt_core.store`).
 Engines whose payloads ride NCCL keep the store, which NCCL may still use
 (:meth:`DistributedEngine._store_needed_after_init`).
 Before groups form, members compare world sizes and metadata at rendezvous

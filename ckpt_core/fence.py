@@ -15,7 +15,7 @@ sockets, created before the fence, and are not affected.
 
 :func:`gloo_device` creates a device and finds its listener (the one listening socket that
 appeared while it was created, under a process-wide lock); :meth:`ListenerFence.apply`
-fences it once every member's group has formed. With ``TORCH_GLOO_LAZY_INIT`` set, Gloo
+fences it once this worker's group has formed (its pairs are then connected at both ends). With ``TORCH_GLOO_LAZY_INIT`` set, Gloo
 connects pairs on first use, so no fence is made (the listener must stay open).
 """
 
