@@ -15,8 +15,10 @@ sockets, created before the fence, and are not affected.
 
 :func:`gloo_device` creates a device and finds its listener (the one listening socket that
 appeared while it was created, under a process-wide lock); :meth:`ListenerFence.apply`
-fences it once this worker's group has formed (its pairs are then connected at both ends). With ``TORCH_GLOO_LAZY_INIT`` set, Gloo
-connects pairs on first use, so no fence is made (the listener must stay open).
+fences it once this worker's group has formed (its pairs are then connected at both ends).
+Where another thread opens a listener at the same moment, the two cannot be told apart and no
+fence is made. With ``TORCH_GLOO_LAZY_INIT`` set, Gloo connects pairs on first use, so no
+fence is made either (the listener must stay open).
 """
 
 from __future__ import annotations
