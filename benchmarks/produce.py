@@ -56,6 +56,19 @@ def _with_size(payload: Payload, layout: list[dict[str, Any]]) -> Payload:
     return Payload(**{**payload.to_dict(), "payload_bytes": nbytes})
 
 
+def _gloo_paired_refit(key: str, label: str, bucket_size: int, timeout_s: float) -> RefitMethod:
+    return RefitMethod(
+        key=key,
+        label=label,
+        backend="gloo_cpu",
+        num_rollout=1,
+        bucket_size=bucket_size,
+        engine_kwargs={"topology": "paired"},
+        topology="paired",
+        timeout_s=timeout_s,
+    )
+
+
 def run(size: int, bucket_size: int, reps: int, modes: list[str], out: Path, timeout_s: float) -> dict[str, Any]:
     results: dict[str, Any] = {"size_bytes": size, "bucket_size": bucket_size, "reps": reps, "modes": {}}
     with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="ckpt-produce-") as scratch:
@@ -64,36 +77,18 @@ def run(size: int, bucket_size: int, reps: int, modes: list[str], out: Path, tim
             producer = ProduceMethod(key="produce", label="producing alone", timeout_s=timeout_s)
             methods: list[Method] = [
                 producer,
-                RefitMethod(
-                    key="refit",
-                    label="gloo_cpu paired refit, produced",
-                    backend="gloo_cpu",
-                    num_rollout=1,
-                    bucket_size=bucket_size,
-                    engine_kwargs={"topology": "paired"},
-                    topology="paired",
-                    timeout_s=timeout_s,
-                ),  # fmt: skip
+                _gloo_paired_refit("refit", "gloo_cpu paired refit, produced", bucket_size, timeout_s),
                 FloorMethod(
                     key="raw",
                     label="raw Gloo send/recv, produced bytes",
                     topology="paired",
                     num_receivers=1,
                     timeout_s=timeout_s,
-                ),  # fmt: skip
+                ),
                 NaiveLoopMethod(
                     key="naive", label="naive produce-then-send loop", layout=producer, timeout_s=timeout_s
                 ),
-                RefitMethod(
-                    key="refit_ready",
-                    label="gloo_cpu paired refit, ready weights",
-                    backend="gloo_cpu",
-                    num_rollout=1,
-                    bucket_size=bucket_size,
-                    engine_kwargs={"topology": "paired"},
-                    topology="paired",
-                    timeout_s=timeout_s,
-                ),  # fmt: skip
+                _gloo_paired_refit("refit_ready", "gloo_cpu paired refit, ready weights", bucket_size, timeout_s),
             ]
             payload = produced(ready, mode)
             seconds: dict[str, list[float]] = {m.key: [] for m in methods}

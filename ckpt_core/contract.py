@@ -101,9 +101,11 @@ def tensor_geometry(name: Any, shape: Any, dtype: Any) -> tuple[torch.Size, torc
         raise WireFormatError(f"tensor {name!r}: shape must be a list of ints >= 0, got {shape!r}")
     torch_dtype = dtype_from_name(dtype)
     nbytes = math.prod(shape) * torch_dtype.itemsize
-    # A non-empty tensor's dimensions are each at most its size; an empty one's need a look.
-    if nbytes > MAX_TENSOR_BYTES or (nbytes == 0 and any(d > MAX_TENSOR_BYTES for d in shape)):
-        raise WireFormatError(f"tensor {name!r}: shape {shape} is {nbytes} bytes, over {MAX_TENSOR_BYTES}")
+    # An empty tensor's contiguous strides are products of its other dimensions: bound them too,
+    # or building it overflows int64 (its size, 0, says nothing about them).
+    span = nbytes if nbytes else math.prod(max(d, 1) for d in shape) * torch_dtype.itemsize
+    if span > MAX_TENSOR_BYTES:
+        raise WireFormatError(f"tensor {name!r}: shape {shape} spans {span} bytes, over {MAX_TENSOR_BYTES}")
     return torch.Size(shape), torch_dtype, nbytes
 
 

@@ -99,3 +99,7 @@ class RemoteRefitError(TransferError):
 
 class AuthenticationError(CheckpointEngineError, PermissionError):
     """A peer failed the shared-token challenge at rendezvous."""
+
+
+class OutOfMemoryError(CheckpointEngineError, MemoryError):
+    """Memory the engine needs cannot be allocated: its bucket buffers, or a received tensor."""

@@ -40,9 +40,14 @@ def _env(site: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def installed_example(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(the copied source folder, the folder it is installed into)."""
-    work = tmp_path_factory.mktemp("tcp_example")
-    source = work / "tcp_transport"
-    shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    return _copy_and_install(EXAMPLE, tmp_path_factory.mktemp("tcp_example"), "tcp_transport")
+
+
+def _copy_and_install(folder: Path, work: Path, name: str) -> tuple[Path, Path]:
+    """Copy ``folder`` (a distribution) to ``work/name`` and pip-install the copy into
+    ``work/site``, leaving the test venv as it is; returns (the copy, the install folder)."""
+    source = work / name
+    shutil.copytree(folder, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     site = work / "site"
     result = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
@@ -125,15 +130,7 @@ def test_the_template_is_a_complete_skeleton(monkeypatch: pytest.MonkeyPatch) ->
 def test_the_template_runs_as_copied(tmp_path: Path) -> None:
     """Copied out and installed as it is, the template's kit collects every test, passes the
     registry test and fails the others on its TODOs, naming the method to fill in."""
-    source = tmp_path / "my_transport"
-    shutil.copytree(TEMPLATE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    site = tmp_path / "site"
-    install = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
-         "--disable-pip-version-check", "--no-cache-dir", "--target", str(site), str(source)],
-        capture_output=True, text=True, timeout=PIP_TIMEOUT_S, cwd=tmp_path, env={**os.environ, "PIP_NO_INPUT": "1"},
-    )  # fmt: skip
-    assert install.returncode == 0, f"pip install failed:\n{install.stdout}\n{install.stderr}"
+    source, site = _copy_and_install(TEMPLATE, tmp_path, "my_transport")
     junit = source / "junit.xml"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "tests", "-q", "-k", "registry or plain_json", f"--junitxml={junit}"],

@@ -472,9 +472,8 @@ def test_bench_without_its_default_backend_says_what_to_install(
 
     real = metadata.entry_points
 
-    def without_gloo(**selection: Any) -> Any:
-        found = real(**selection)
-        return metadata.EntryPoints(ep for ep in found if ep.name != "gloo_cpu")
+    def without_gloo(*, group: str) -> metadata.EntryPoints:
+        return metadata.EntryPoints(ep for ep in real(group=group) if ep.name != "gloo_cpu")
 
     monkeypatch.setattr(metadata, "entry_points", without_gloo)
     assert cli.main(["bench", "--size", "1MiB"]) == 2

@@ -30,7 +30,7 @@ import torch
 from ckpt_core._internal.dtypes import dtype_name
 from ckpt_core._internal.host_memory import POOLED_MIN_BYTES, empty_host, empty_host_storage
 from ckpt_core.contract import TensorMeta
-from ckpt_core.errors import ChunkStreamError
+from ckpt_core.errors import ChunkStreamError, OutOfMemoryError
 
 
 class Landing:
@@ -262,6 +262,14 @@ class ChunkAssembler:
 
 
 def _allocate(meta: TensorMeta, device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":
-        return empty_host(meta.shape, meta.dtype)
-    return torch.empty(meta.shape, dtype=meta.dtype, device=device)
+    try:
+        if device.type == "cpu":
+            return empty_host(meta.shape, meta.dtype)
+        return torch.empty(meta.shape, dtype=meta.dtype, device=device)
+    except (OSError, RuntimeError, MemoryError) as exc:  # ENOMEM from mmap; torch's allocators
+        raise OutOfMemoryError(
+            f"tensor {meta.name!r} ({list(meta.shape)}, {dtype_name(meta.dtype)}, {meta.nbytes} bytes) "
+            f"announced by the sender cannot be allocated on {device} ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); free memory here, or check the sender "
+            "(a header this large may be corrupt or forged)"
+        ) from exc

@@ -6,6 +6,7 @@ import functools
 
 import torch
 
+from ckpt_core._internal.storage_check import check_storage
 from ckpt_core.errors import UnsupportedTensorError, WireFormatError
 
 # Quantized dtypes carry a scale and zero point outside their bytes: moving the bytes alone
@@ -56,6 +57,11 @@ def check_transferable(name: str, tensor: object) -> torch.Tensor:
         raise UnsupportedTensorError(
             f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor; yield (name, tensor) pairs"
         )
+    if tensor.is_nested:
+        raise UnsupportedTensorError(
+            f"weight {name!r} is a nested tensor; its components have different shapes and no "
+            "single byte layout: send each component (tensor.unbind()) as a weight of its own"
+        )
     if tensor.is_quantized:
         raise UnsupportedTensorError(
             f"weight {name!r} is quantized ({dtype_name(tensor.dtype)}); its scale and zero "
@@ -69,4 +75,5 @@ def check_transferable(name: str, tensor: object) -> torch.Tensor:
         )
     if tensor.is_meta:
         raise UnsupportedTensorError(f"weight {name!r} is on the meta device and has no data; materialize it first")
+    check_storage(name, tensor)
     return tensor

@@ -30,6 +30,7 @@ _EXPORTS = {
     "HEADER_FRAME_BYTES": "ckpt_core.transport.torch_distributed",
     "Link": "ckpt_core.transport.torch_distributed",
     "MAX_HEADER_BYTES": "ckpt_core._internal.wire",
+    "MAX_TIMEOUT_S": "ckpt_core.transport.options",
     "ROW_WORDS": "ckpt_core._internal.device_checksum",
     "TOPOLOGIES": "ckpt_core.transport.torch_distributed",
     "check_bool": "ckpt_core.transport.options",
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
     from ckpt_core.transport.capabilities import BackendCapabilities
     from ckpt_core.transport.engine import BucketedEngine
     from ckpt_core.transport.interfaces import BucketReceiver, BucketSender
-    from ckpt_core.transport.options import check_bool, check_choice, check_positive_number
+    from ckpt_core.transport.options import MAX_TIMEOUT_S, check_bool, check_choice, check_positive_number
     from ckpt_core.transport.torch_distributed import (
         HEADER_FRAME_BYTES,
         TOPOLOGIES,

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ckpt_core._internal.agreement import AGREED_KEY, check_metadata_agreement
 from ckpt_core._internal.checksum import payload_checksum
 from ckpt_core._internal.host_memory import release_host_pool
 from ckpt_core._internal.pipeline import Checksum, receive_refit, send_refit
@@ -39,7 +40,7 @@ from ckpt_core.errors import (
 from ckpt_core.hooks import RefitNotifier
 from ckpt_core.stats import RefitStats, Role
 from ckpt_core.transport.interfaces import BucketReceiver, BucketSender
-from ckpt_core.transport.options import check_bool, check_positive_number
+from ckpt_core.transport.options import MAX_TIMEOUT_S, check_bool, check_positive_number
 
 
 class _State(enum.Enum):
@@ -107,7 +108,7 @@ class BucketedEngine(CheckpointEngine):
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
             raise EngineOptionError(f"{owner}: bucket_size must be an int >= 1 (bytes), got {bucket_size!r}")
         self.bucket_size = bucket_size
-        self.timeout_s = check_positive_number(owner, "timeout_s", timeout_s)
+        self.timeout_s = check_positive_number(owner, "timeout_s", timeout_s, MAX_TIMEOUT_S)
         self.checksum = check_bool(owner, "checksum", checksum)
         self.release_after_refit = check_bool(owner, "release_after_refit", release_after_refit)
         self.shard_expert_weights = check_bool(owner, "shard_expert_weights", shard_expert_weights)
@@ -119,6 +120,7 @@ class BucketedEngine(CheckpointEngine):
         self._rank = -1
         self._refit_index = 0
         self._busy = False
+        self._generation = 0  # counts finalize() calls: a refit outliving one was cut off
         self.last_stats: RefitStats | None = None
         """Statistics of this worker's last completed refit."""
 
@@ -164,12 +166,18 @@ class BucketedEngine(CheckpointEngine):
         """Where received tensors are built; ``None``: on the receiver's buffer device."""
         return None
 
+    def _agreed_settings(self) -> dict[str, Any]:
+        """Settings every worker of this engine must share (plain JSON values), compared with
+        every peer's at init (:mod:`ckpt_core.agreement`); transports add their own."""
+        return {"bucket_size": self.bucket_size, "checksum": self.checksum}
+
     # --- the seed lifecycle ------------------------------------------------------------
 
     def prepare(self) -> dict[str, Any]:
         self._require(_State.NEW, "prepare()")
         self._engine_id = uuid.uuid4().hex
         metadata = {"backend": self.backend_name, "format": FORMAT_VERSION, "engine_id": self._engine_id}
+        metadata[AGREED_KEY] = self._agreed_settings()
         metadata.update(self._prepare_transport())
         self._state = _State.PREPARED
         return metadata
@@ -205,6 +213,7 @@ class BucketedEngine(CheckpointEngine):
             self._refit_index = 0
             self._busy = False
             self._target_layout = None
+            self._generation += 1
             if self.release_after_refit:
                 self._release_cached_memory()
 
@@ -268,6 +277,16 @@ class BucketedEngine(CheckpointEngine):
         except Exception:  # noqa: BLE001 - the refit's own error is what the caller needs
             pass
 
+    def _raise_if_cut_off(self, generation: int, call: str, exc: BaseException) -> None:
+        """A refit raised ``exc``: if ``finalize()`` ran meanwhile (from the weights generator,
+        the loader or another thread), its torn-down transport is the cause, so the caller gets
+        a ``LifecycleError`` and the engine stays finalized."""
+        if generation != self._generation and isinstance(exc, Exception):
+            raise LifecycleError(
+                f"{type(self).__name__}.{call}: finalize() was called during this refit, which "
+                "voids it; finalize only after the refit's call returned or raised"
+            ) from exc
+
     async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None]) -> None:
         """Send one refit. Runs the transfer on the calling thread, yielding to the event loop
         between buckets. A policy rank without a receiver drains ``weights`` (its iterator may
@@ -280,6 +299,7 @@ class BucketedEngine(CheckpointEngine):
                 self._refit_index += 1
                 return
             notifier = RefitNotifier(self.backend_name, "policy", self._rank)
+            generation = self._generation
             try:
                 self.last_stats = await send_refit(
                     weights,
@@ -290,7 +310,8 @@ class BucketedEngine(CheckpointEngine):
                     timeout_s=self.timeout_s,
                     checksum=self._payload_checksum(),
                 )
-            except BaseException:
+            except BaseException as exc:
+                self._raise_if_cut_off(generation, "send_weights()", exc)
                 self._fail()
                 raise
             self._refit_index += 1
@@ -306,6 +327,7 @@ class BucketedEngine(CheckpointEngine):
             notifier = RefitNotifier(self.backend_name, "rollout", self._rank)
             stats = RefitStats()
             completed = False
+            generation = self._generation
             try:
                 async for batch in receive_refit(
                     self._receiver,
@@ -319,11 +341,14 @@ class BucketedEngine(CheckpointEngine):
                 ):
                     yield batch
                 completed = True
+            except Exception as exc:
+                self._raise_if_cut_off(generation, "receive_weight_batches()", exc)
+                raise
             finally:
                 if completed:
                     self.last_stats = stats
                     self._refit_index += 1
-                else:
+                elif generation == self._generation:
                     self._fail()
 
     # --- checks ------------------------------------------------------------------------
@@ -400,6 +425,7 @@ class BucketedEngine(CheckpointEngine):
                 f"{owner}: metadata[{own_index}] is not this engine's prepare() result: order the "
                 "list as policy entries by worker_rank, then rollout entries by rollout_rank"
             )
+        check_metadata_agreement(owner, self._agreed_settings(), metadata, train_world_size)
         return metadata
 
 

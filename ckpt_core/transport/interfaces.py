@@ -25,6 +25,20 @@ from collections.abc import Sequence
 import torch
 
 from ckpt_core._internal.host_memory import copy_into
+from ckpt_core.errors import OutOfMemoryError
+
+
+def bucket_buffers(count: int, bucket_size: int, device: torch.device) -> list[torch.Tensor]:
+    """``count`` 1-D ``uint8`` buffers of ``bucket_size`` bytes on ``device``, allocated now;
+    ``OutOfMemoryError`` (naming the option to lower) when they do not fit."""
+    try:
+        return [torch.empty(bucket_size, dtype=torch.uint8, device=device) for _ in range(count)]
+    except (RuntimeError, MemoryError) as exc:  # torch's allocators raise RuntimeError subclasses
+        raise OutOfMemoryError(
+            f"cannot allocate {count} bucket buffers of {bucket_size} bytes on {device} "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); lower "
+            "bucket_size_bytes or free memory"
+        ) from exc
 
 
 class BucketSender(abc.ABC):

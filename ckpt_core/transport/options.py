@@ -8,13 +8,20 @@ from typing import Any
 
 from ckpt_core.errors import EngineOptionError
 
-__all__ = ["check_bool", "check_choice", "check_positive_number"]
+__all__ = ["MAX_TIMEOUT_S", "check_bool", "check_choice", "check_positive_number"]
 
 
-def check_positive_number(owner: str, option: str, value: Any) -> float:
-    """``value`` as a finite float > 0, else ``EngineOptionError``."""
+MAX_TIMEOUT_S = 30 * 86400.0
+"""Longest ``timeout_s`` (30 days). Gloo and the store keep deadlines in nanoseconds of an
+int64, which overflows past about 9.2e9 s (and ``timedelta`` past 8.6e13 s)."""
+
+
+def check_positive_number(owner: str, option: str, value: Any, maximum: float = math.inf) -> float:
+    """``value`` as a finite float in (0, ``maximum``], else ``EngineOptionError``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise EngineOptionError(f"{owner}: {option} must be a finite number > 0, got {value!r}")
+    if value > maximum:
+        raise EngineOptionError(f"{owner}: {option} must be at most {maximum:g}, got {value!r}")
     return float(value)
 
 

@@ -1,10 +1,18 @@
 """Transports over dedicated ``torch.distributed`` process groups (Gloo, NCCL).
 
-Peers meet through a ``TCPStore`` served by policy rank 0 (every worker opens one in
-``prepare()`` so it can advertise a port; only policy rank 0's survives ``init``). Groups are
-built directly on that store, under a per-``prepare`` prefix, and are never registered with
-``torch.distributed``: the caller's default process group is never created, required or
-changed, and ``torch.distributed.is_initialized()`` stays as it was.
+Peers meet through a ``TCPStore`` served by policy rank 0 during ``init`` (every worker binds
+a listening socket in ``prepare()`` so it can advertise a port; only policy rank 0's becomes
+the store, at init). Groups are built on that store, under a per-``prepare`` prefix, and are
+never registered with ``torch.distributed``: the caller's default process group is never
+created, required or changed, and ``torch.distributed.is_initialized()`` stays as it was.
+
+Once its groups have formed, a worker stops listening for strangers: it fences its Gloo
+listeners at once (:mod:`ckpt_core.fence`) and drops the store; policy rank 0, once every member
+said its groups formed, closes the store server (:mod:`ckpt_core.store`).
+Engines whose payloads ride NCCL keep the store, which NCCL may still use
+(:meth:`DistributedEngine._store_needed_after_init`).
+Before groups form, members compare world sizes and metadata at rendezvous
+(:mod:`ckpt_core.agreement`), so a mismatch is named at once instead of timing out.
 
 Topologies:
 
@@ -26,21 +34,25 @@ NCCL for device ones).
 from __future__ import annotations
 
 import abc
+import contextlib
 import datetime
 import gc
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
+from ckpt_core._internal.agreement import agree_as_member, agree_as_policy
 from ckpt_core._internal.auth import answer_challenge, host_challenge, resolve_token, verify_members
+from ckpt_core._internal.fence import ListenerFence, gloo_device, lazy_init
+from ckpt_core._internal.store import DetachableStore
 from ckpt_core._internal.wire import MAX_HEADER_BYTES
-from ckpt_core.errors import EngineOptionError, PeerLostError, TransferTimeoutError, WireFormatError
+from ckpt_core.errors import EngineOptionError, LifecycleError, PeerLostError, TransferTimeoutError, WireFormatError
 from ckpt_core.transport.engine import BucketedEngine
-from ckpt_core.transport.interfaces import BucketReceiver, BucketSender
+from ckpt_core.transport.interfaces import BucketReceiver, BucketSender, bucket_buffers
 from ckpt_core.transport.options import check_choice
 
 TOPOLOGIES = ("broadcast", "paired")
@@ -52,10 +64,22 @@ to ``HEADER_FRAME_BYTES - 8`` bytes (about 700 chunks) travel in the frame alone
 _FRAME_ROOM = HEADER_FRAME_BYTES - 8
 
 
-def gloo_group(store: Any, rank: int, size: int, *, host: str, timeout: datetime.timedelta) -> Any:
-    """A Gloo process group of ``size`` on ``store``, bound to ``host``'s interface."""
+def gloo_group(
+    store: Any,
+    rank: int,
+    size: int,
+    *,
+    host: str,
+    timeout: datetime.timedelta,
+    fences: list[ListenerFence] | None = None,
+) -> Any:
+    """A Gloo process group of ``size`` on ``store``, bound to ``host``'s interface. The fence
+    of its device's listener is appended to ``fences`` (if given and found)."""
+    device, fence = gloo_device(host)
+    if fences is not None and fence is not None:
+        fences.append(fence)
     options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stubs omit it
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    options._devices = [device]
     options._timeout = timeout
     return dist.ProcessGroupGloo(store, rank, size, options)
 
@@ -82,6 +106,8 @@ class Link:
         self.control = self.data = None
 
     def post(self, group: Any, tensor: torch.Tensor, tag: int) -> Any:
+        if group is None:
+            raise LifecycleError(f"the link with {self.peer} was released (finalize() ran during the refit)")
         if self.broadcast:
             return group.broadcast(tensor, 0)
         if self.rank == 0:
@@ -114,7 +140,7 @@ class DistributedSender(BucketSender):
 
     def __init__(self, link: Link, bucket_size: int, device: torch.device) -> None:
         self.link = link
-        self._buffers = [torch.empty(bucket_size, dtype=torch.uint8, device=device) for _ in range(self.num_slots)]
+        self._buffers = bucket_buffers(self.num_slots, bucket_size, device)
         self._frames = [torch.zeros(HEADER_FRAME_BYTES, dtype=torch.uint8) for _ in range(self.num_slots)]
         self._in_flight: list[list[Any]] = [[] for _ in range(self.num_slots)]
         self._sending: list[list[torch.Tensor]] = [[] for _ in range(self.num_slots)]
@@ -159,7 +185,7 @@ class DistributedReceiver(BucketReceiver):
 
     def __init__(self, link: Link, bucket_size: int, device: torch.device) -> None:
         self.link = link
-        self._buffers = [torch.empty(bucket_size, dtype=torch.uint8, device=device) for _ in range(self.num_slots)]
+        self._buffers = bucket_buffers(self.num_slots, bucket_size, device)
         self._in_flight: list[list[Any]] = [[] for _ in range(self.num_slots)]
         self._frame = torch.zeros(HEADER_FRAME_BYTES, dtype=torch.uint8)
         self._frame_in_flight: list[Any] = []
@@ -250,8 +276,10 @@ class DistributedEngine(BucketedEngine):
         if not isinstance(host, str) or not host:
             raise EngineOptionError(f"{owner}: host must be a non-empty address string, got {host!r}")
         self.host = host
-        self._store: Any = None
+        self._listener: socket.socket | None = None  # bound in prepare(); the store's, at init
+        self._store: DetachableStore | None = None
         self._groups: list[Any] = []
+        self._fences: list[ListenerFence] = []
 
     # --- what a subclass provides ------------------------------------------------------
 
@@ -260,7 +288,7 @@ class DistributedEngine(BucketedEngine):
         """A group for payloads on ``store`` (already prefixed), of which this worker is ``rank``."""
 
     def _new_control_group(self, store: Any, rank: int, size: int) -> Any:
-        return gloo_group(store, rank, size, host=self.host, timeout=_timedelta(self.timeout_s))
+        return gloo_group(store, rank, size, host=self.host, timeout=_timedelta(self.timeout_s), fences=self._fences)
 
     def _shares_control_group(self) -> bool:
         """Whether payloads may ride the control group (true when both live on the host)."""
@@ -279,6 +307,9 @@ class DistributedEngine(BucketedEngine):
 
     # --- rendezvous --------------------------------------------------------------------
 
+    def _agreed_settings(self) -> dict[str, Any]:
+        return {**super()._agreed_settings(), "topology": self.topology}
+
     def _prepare_transport(self) -> dict[str, Any]:
         try:
             listener = socket.create_server((self.host, 0), family=_family(self.host), backlog=1024)
@@ -287,45 +318,113 @@ class DistributedEngine(BucketedEngine):
                 f"{type(self).__name__}: cannot listen on host={self.host!r} ({exc}); set host to "
                 "an address of this machine"
             ) from exc
-        port = listener.getsockname()[1]
-        # The store takes the bound socket over (and closes it when it is destroyed).
-        self._store = dist.TCPStore(
-            self.host,
-            port,
-            None,
-            True,
-            _timedelta(self.timeout_s),
-            wait_for_workers=False,
-            master_listen_fd=listener.detach(),
-        )
-        return {"host": self.host, "port": port}
+        # Only a bound socket until init: the kernel queues connections (at most the backlog),
+        # nothing reads them, and the store is served only while the groups form.
+        self._listener = listener
+        return {"host": self.host, "port": listener.getsockname()[1]}
 
-    def _connect_store(self, metadata: list[dict[str, Any]], identity: str, members: list[str]) -> Any:
-        """Join policy rank 0's store (hosting it if this is policy rank 0) and pass the token
-        challenge; returns the store under this rendezvous' prefix."""
+    def _connect_store(
+        self, metadata: list[dict[str, Any]], identity: str, members: list[str], world_sizes: tuple[int, int]
+    ) -> Any:
+        """Join policy rank 0's store (serving it if this is policy rank 0), compare world sizes
+        and metadata, and pass the token challenge; returns the store under this rendezvous'
+        prefix."""
         is_master = identity == "policy rank 0"
-        if not is_master:
-            self._close_store()
+        listener, self._listener = self._listener, None
+        if listener is None:
+            raise LifecycleError(
+                f"{type(self).__name__}: a failed init closed this worker's rendezvous socket; call "
+                "finalize(), then prepare() and init again on every worker"
+            )
+        if is_master:
+            tcp_store = dist.TCPStore(
+                self.host,
+                listener.getsockname()[1],
+                None,
+                True,
+                _timedelta(self.timeout_s),
+                wait_for_workers=False,
+                master_listen_fd=listener.detach(),  # the store takes the socket over
+            )
+        else:
+            listener.close()
             first = metadata[0]
             host, port = first.get("host"), first.get("port")
             if not isinstance(host, str) or not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
                 raise WireFormatError(f"metadata[0] has no valid host/port: {host!r}:{port!r}")
             try:
-                self._store = dist.TCPStore(host, port, None, False, _timedelta(self.timeout_s))
+                tcp_store = dist.TCPStore(host, port, None, False, _timedelta(self.timeout_s))
             except (RuntimeError, OSError) as exc:
                 raise PeerLostError(
                     f"cannot reach policy rank 0's rendezvous store at {host}:{port} within {self.timeout_s:g}s: {exc}"
                 ) from exc
+        self._store = DetachableStore(tcp_store)
+        del tcp_store  # the DetachableStore holds the only reference: detaching closes it
         store = dist.PrefixStore(f"ckpt_core/{metadata[0]['engine_id']}/", self._store)
+        view = {
+            "train_world_size": world_sizes[0],
+            "rollout_world_size": world_sizes[1],
+            "engine_ids": [entry.get("engine_id") for entry in metadata],
+        }
+        owner = type(self).__name__
         try:
             if is_master:
                 host_challenge(store, self._auth_token)
+                agree_as_policy(store, owner, view, [m for m in members if m != identity])
                 verify_members(store, self._auth_token, [m for m in members if m != identity])
             else:
+                agree_as_member(store, owner, view, identity)
                 answer_challenge(store, self._auth_token, identity, "policy rank 0")
         except (RuntimeError, dist.DistError) as exc:
             raise PeerLostError(f"rendezvous as {identity} did not complete within {self.timeout_s:g}s: {exc}") from exc
         return store
+
+    @contextlib.contextmanager
+    def _reporting_failure(self, store: Any, identity: str) -> Iterator[None]:
+        """Forming this worker's groups failed: tell policy rank 0 (best effort), which waits
+        for every member's groups, instead of letting it wait out its timeout."""
+        try:
+            yield
+        except BaseException as exc:
+            if identity != "policy rank 0":
+                try:
+                    store.set(f"formed/{identity}", f"failed: {type(exc).__name__}: {exc}"[:2000])
+                except Exception:  # noqa: BLE001 - the error being raised is what matters
+                    pass
+            raise
+
+    def _seal(self, store: Any, identity: str, members: list[str]) -> None:
+        """Every group this worker needs has formed: stop listening for anyone else. Its Gloo
+        listeners are fenced at once (a pair is connected on both ends once either end's group
+        has formed, so no member needs them any more). Members then report their groups formed
+        and drop the store; policy rank 0 closes the store server once every member has
+        reported (they may still be forming groups among themselves)."""
+        lazy = lazy_init()  # Gloo would connect pairs later, through the listener and the store
+        if not lazy:
+            for fence in self._fences:
+                fence.apply()
+        try:
+            if identity != "policy rank 0":
+                store.set(f"formed/{identity}", "ok")
+            else:
+                for member in members:
+                    if member != identity:
+                        report = bytes(store.get(f"formed/{member}")).decode("utf-8", errors="replace")
+                        if report != "ok":
+                            raise PeerLostError(f"{member} could not form its groups: {report}")
+        except (RuntimeError, dist.DistError) as exc:
+            raise PeerLostError(
+                f"waiting for every member's groups to form, as {identity}, did not complete within "
+                f"{self.timeout_s:g}s: {exc}"
+            ) from exc
+        if not lazy and not self._store_needed_after_init():
+            self._close_store()
+
+    def _store_needed_after_init(self) -> bool:
+        """Whether the data group may still use the store after forming. A Gloo group never
+        does; NCCL may create a point-to-point communicator through it at first use, so
+        engines with another data group keep it (see docs/reliability.md)."""
+        return not self._shares_control_group()
 
     def _make_link(self, store: Any, name: str, rank: int, size: int, peer: str) -> Link:
         prefixed = dist.PrefixStore(f"{name}/", store)
@@ -361,29 +460,35 @@ class DistributedEngine(BucketedEngine):
     ) -> BucketSender | None:
         self._check_topology(train_world_size, rollout_world_size)
         members = _identities(train_world_size, rollout_world_size)
-        store = self._connect_store(metadata, f"policy rank {worker_rank}", members)
-        if self.topology == "broadcast":
-            if worker_rank != 0:
-                return None
-            peers = f"rollout ranks 0..{rollout_world_size - 1}"
-            link = self._make_link(store, "broadcast", 0, rollout_world_size + 1, peers)
-        else:
-            if worker_rank >= rollout_world_size:
-                return None
-            link = self._make_link(store, f"pair{worker_rank}", 0, 2, f"rollout rank {worker_rank}")
-        return self._new_sender(link)
+        identity = f"policy rank {worker_rank}"
+        store = self._connect_store(metadata, identity, members, (train_world_size, rollout_world_size))
+        with self._reporting_failure(store, identity):
+            sender = None
+            if self.topology == "broadcast":
+                if worker_rank == 0:
+                    peers = f"rollout ranks 0..{rollout_world_size - 1}"
+                    sender = self._new_sender(self._make_link(store, "broadcast", 0, rollout_world_size + 1, peers))
+            elif worker_rank < rollout_world_size:
+                link = self._make_link(store, f"pair{worker_rank}", 0, 2, f"rollout rank {worker_rank}")
+                sender = self._new_sender(link)
+        self._seal(store, identity, members)
+        return sender
 
     def _connect_rollout(
         self, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
     ) -> BucketReceiver:
         self._check_topology(train_world_size, rollout_world_size)
         members = _identities(train_world_size, rollout_world_size)
-        store = self._connect_store(metadata, f"rollout rank {rollout_rank}", members)
-        if self.topology == "broadcast":
-            link = self._make_link(store, "broadcast", rollout_rank + 1, rollout_world_size + 1, "policy rank 0")
-        else:
-            link = self._make_link(store, f"pair{rollout_rank}", 1, 2, f"policy rank {rollout_rank}")
-        return self._new_receiver(link)
+        identity = f"rollout rank {rollout_rank}"
+        store = self._connect_store(metadata, identity, members, (train_world_size, rollout_world_size))
+        with self._reporting_failure(store, identity):
+            if self.topology == "broadcast":
+                link = self._make_link(store, "broadcast", rollout_rank + 1, rollout_world_size + 1, "policy rank 0")
+            else:
+                link = self._make_link(store, f"pair{rollout_rank}", 1, 2, f"policy rank {rollout_rank}")
+            receiver = self._new_receiver(link)
+        self._seal(store, identity, members)
+        return receiver
 
     def _release_transport(self) -> None:
         groups, self._groups = self._groups, []
@@ -393,12 +498,18 @@ class DistributedEngine(BucketedEngine):
             except Exception:  # noqa: BLE001 - a group whose peer died may refuse a clean shutdown
                 pass
         self._close_store()
+        self._fences = []
         # A failed refit's traceback is a reference cycle that can still reach the groups;
         # collecting it now closes their sockets now, not at some later collection.
         gc.collect()
 
     def _close_store(self) -> None:
-        self._store = None
+        if self._store is not None:
+            self._store.detach()
+            self._store = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
 
 def _identities(train_world_size: int, rollout_world_size: int) -> list[str]:

@@ -93,6 +93,16 @@ def init_rollout(e: CheckpointEngine, metadata: Any, rank: Any = 0, train: Any =
     )
 
 
+def _init_as_rank(rank: Any) -> Callable[[CheckpointEngine, dict[str, Any]], Any]:
+    """Init as policy ``rank`` of 2 (a case per bad rank)."""
+    return lambda e, m: init_policy(e, [m, other(m), other(m)], rank=rank, train=2)
+
+
+def _init_with_train_size(train: Any) -> Callable[[CheckpointEngine, dict[str, Any]], Any]:
+    """Init with ``train_world_size=train`` (a case per bad size)."""
+    return lambda e, m: init_policy(e, [m, other(m)], train=train)
+
+
 def with_prepared(
     action: Callable[[CheckpointEngine, dict[str, Any]], Any], backend: str = "gloo_cpu", **options: Any
 ) -> Callable[[Path], Any]:
@@ -156,7 +166,9 @@ def two_sends_at_once(pair: Pair) -> None:
 
     async def both() -> None:
         result["outcomes"] = await asyncio.gather(
-            pair.policy.send_weights(iter(weights)), pair.policy.send_weights(iter(weights)), return_exceptions=True
+            pair.policy.send_weights(w for w in weights),
+            pair.policy.send_weights(w for w in weights),
+            return_exceptions=True,
         )
 
     sent, received = concurrently(lambda: asyncio.run(both()), lambda: receive(pair.rollout))
@@ -569,7 +581,7 @@ CASES: list[Case] = [
         Case(
             f"rank-{label}",
             f"`worker_rank={value!r}` with 2 policy ranks",
-            with_prepared(lambda e, m, v=value: init_policy(e, [m, other(m), other(m)], rank=v, train=2)),
+            with_prepared(_init_as_rank(value)),
             OURS_AND_VALUE,
             r"worker_rank must be an int in \[0, 2\)",
         )
@@ -586,7 +598,7 @@ CASES: list[Case] = [
         Case(
             f"world-size-{label}",
             f"`train_world_size={value!r}`",
-            with_prepared(lambda e, m, v=value: init_policy(e, [m, other(m)], train=v)),
+            with_prepared(_init_with_train_size(value)),
             OURS_AND_VALUE,
             r"train_world_size must be an int >= 1",
         )
@@ -786,11 +798,11 @@ def check(case: Case, error: BaseException | None) -> str | None:
     return None
 
 
-def markdown_table(tmp_path: Path) -> str:
-    """The docs table: each case, the error it must get, and (where that is not what the code
-    raises today) what it gets instead."""
+def markdown_table(tmp_path: Path, cases: list[Case] | None = None) -> str:
+    """The docs table: each case (of ``cases``, default ``CASES``), the error it must get, and
+    (where that is not what the code raises today) what it gets instead."""
     rows = ["| # | bad input | error | message (abridged) |", "| --- | --- | --- | --- |"]
-    for number, case in enumerate(CASES, 1):
+    for number, case in enumerate(CASES if cases is None else cases, 1):
         if case.needs and globals()[case.needs]() is not None:
             continue
         error = run_case(case, tmp_path)

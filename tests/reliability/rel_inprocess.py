@@ -99,7 +99,7 @@ class Pair:
     def init(self) -> list[Outcome]:
         """prepare() and init on both sides; outcomes of the two inits (policy first)."""
         metadata = [self.policy.prepare(), self.rollout.prepare()]
-        sizes = {"train_world_size": 1, "rollout_world_size": 1, "metadata": metadata}
+        sizes: dict[str, Any] = {"train_world_size": 1, "rollout_world_size": 1, "metadata": metadata}
         return concurrently(
             lambda: self.policy.init_policy_process_group(worker_rank=0, **sizes),
             lambda: self.rollout.init_rollout_process_group(rollout_rank=0, **sizes),

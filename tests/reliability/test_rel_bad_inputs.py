@@ -1,4 +1,5 @@
-"""Every kind of bad input in ``rel_bad_inputs.CASES`` gets a clear, typed error.
+"""Every kind of bad input in ``rel_bad_inputs.CASES`` and ``rel_hostile_inputs.HOSTILE_CASES``
+gets a clear, typed error.
 
 One test per row of the table in docs/reliability.md. Each runs in this process against real
 engines (peers on threads where one is needed). A case fails when the error is missing, is not
@@ -12,7 +13,11 @@ from pathlib import Path
 
 import pytest
 import rel_bad_inputs
-from rel_bad_inputs import CASES, Case, check, run_case
+from rel_bad_inputs import CASES as FIRST_CASES
+from rel_bad_inputs import Case, check, run_case
+from rel_hostile_inputs import HOSTILE_CASES
+
+CASES = FIRST_CASES + HOSTILE_CASES
 
 
 def test_the_table_has_at_least_25_kinds_of_bad_input() -> None:

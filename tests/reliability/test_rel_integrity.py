@@ -38,7 +38,7 @@ def test_a_flipped_bit_in_flight_raises_integrity_error_on_the_receiver(team: Te
         coordinator.refit()
     failure = failures_by_worker(caught.value)["rollout rank 0"]
     assert failure.error_type == "IntegrityError", failure.describe()
-    assert "bucket 1 of refit 0 is corrupt" in failure.message and "checksum" in failure.message
+    assert "bucket 1 of refit 0 is corrupt" in (failure.message or "") and "checksum" in (failure.message or "")
     assert coordinator.weight_version == 0
     coordinator.finalize()
 
@@ -90,7 +90,7 @@ def test_without_checksums_the_same_corruption_reaches_the_caller(team: Team) ->
     assert caught.value.step == "verifying refit 0", "the engine itself must not have noticed"
     (failure,) = caught.value.failures
     assert failure.worker == "rollout rank 0" and failure.error_type == "VerificationError"
-    assert "differing ['sized.0']" in failure.message, failure.describe()
+    assert "differing ['sized.0']" in (failure.message or ""), failure.describe()
     assert coordinator.weight_version == 0
     coordinator.finalize()
 

@@ -15,6 +15,7 @@ rank 0 at init and mapped once by each rollout at init; refits only reuse it.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import gc
 import importlib
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ckpt_core.errors import BackendUnavailableError, WireFormatError
+from ckpt_core.errors import BackendUnavailableError, OutOfMemoryError, WireFormatError
 
 PAGE = 4096
 IPC_HANDLE_BYTES = 64
@@ -40,7 +41,7 @@ def slot_stride(bucket_size: int) -> int:
 class HostSlots:
     """Slot buffers in one anonymous shared-memory file (see the module docstring)."""
 
-    def __init__(self, mapping: mmap.mmap, fd: int | None, bucket_size: int, num_slots: int, writable: bool) -> None:
+    def __init__(self, mapping: Any, fd: int | None, bucket_size: int, num_slots: int, writable: bool) -> None:
         self._fd = fd  # kept by the policy only, to hand read-only copies to rollouts
         self.bucket_size = bucket_size
         self.num_slots = num_slots
@@ -51,6 +52,8 @@ class HostSlots:
             whole = torch.frombuffer(mapping, dtype=torch.uint8)
         # The views keep the mapping alive; it is unmapped when the last of them dies.
         self._mapping = weakref.ref(mapping)
+        self._range = (whole.data_ptr(), ctypes.sizeof(mapping))
+        self._detached = False
         del mapping
         self._views: list[torch.Tensor] = [
             whole[k * self.stride : k * self.stride + bucket_size] for k in range(num_slots)
@@ -60,7 +63,7 @@ class HostSlots:
     @property
     def mapped(self) -> bool:
         """Whether this process still maps the file (some view of it is alive somewhere)."""
-        return self._mapping() is not None
+        return self._mapping() is not None and not self._detached
 
     @classmethod
     def allocate(cls, bucket_size: int, num_slots: int) -> HostSlots:
@@ -68,17 +71,17 @@ class HostSlots:
         size = slot_stride(bucket_size) * num_slots
         fd = os.memfd_create("ckpt-cuda-ipc-slots", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.ftruncate(fd, size)
             try:
+                os.ftruncate(fd, size)
                 os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                raise BackendUnavailableError(
+            except (OSError, OverflowError) as exc:  # EFBIG/ENOSPC; a size past off_t
+                raise OutOfMemoryError(
                     f"cannot reserve {size} bytes of shared memory for {num_slots} bucket slots "
                     f"({exc}); lower bucket_size_bytes or free memory"
                 ) from exc
             # No process holding the file may resize it under a mapping (that would SIGBUS us).
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+            mapping = _map_shared(fd, size, writable=True)
         except BaseException:
             os.close(fd)
             raise
@@ -114,7 +117,7 @@ class HostSlots:
                 raise WireFormatError(
                     f"the shared-memory file passed by policy rank 0 has {actual} bytes, expected {size}"
                 )
-            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+            mapping = _map_shared(fd, size, writable=False)
         finally:
             os.close(fd)
         return cls(mapping, None, bucket_size, num_slots, writable=False)
@@ -139,9 +142,48 @@ class HostSlots:
         self.release_fd()
         if self.mapped:
             gc.collect()
+        if self.mapped:
+            # A view is still referenced from outside any cycle: the frames of an exception
+            # being handled (finalize() inside the `except` that caught a failed refit) or a
+            # caller's variable. Unmapping under it would crash whoever reads it, so the range
+            # gets fresh anonymous memory instead: the file's pages go now, reads stay safe.
+            _map_anonymous_over(*self._range)
+            self._detached = True
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_MAP_FIXED = 0x10  # Linux; the mmap module does not export it
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map_shared(fd: int, size: int, *, writable: bool) -> Any:
+    """Map ``size`` bytes of ``fd`` shared; returns a ctypes byte array over them, unmapped when
+    it is collected. Made through libc rather than the ``mmap`` module, whose objects keep a
+    duplicate of the descriptor (and so the file) until they die."""
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    address = _libc.mmap(None, size, prot, mmap.MAP_SHARED | _POPULATE, fd, 0)
+    if address in (None, _MAP_FAILED):
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"mapping {size} bytes of shared memory failed: {os.strerror(errno)}")
+    array_type: Any = type("SlotBytes", (ctypes.c_ubyte * size,), {})  # a subclass: weak-referenceable
+    mapping = array_type.from_address(address)
+    weakref.finalize(mapping, _libc.munmap, address, size)
+    return mapping
+
+
+def _map_anonymous_over(address: int, size: int) -> None:
+    """Replace ``[address, address + size)`` with private zero pages (``MAP_FIXED``): what was
+    mapped there is unmapped, the range stays valid. The mapping's finalizer unmaps the
+    replacement when its last view is collected."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED
+    result = _libc.mmap(address, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+    if result != address:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"mmap over the slot buffers failed: {os.strerror(errno)}")
 
 
 class _DeviceArray:
@@ -192,7 +234,13 @@ class CudaSlots:
         cupy = import_cupy()
         size = slot_stride(bucket_size) * num_slots
         with cupy.cuda.Device(device.index):
-            pointer = int(cupy.cuda.runtime.malloc(size))
+            try:
+                pointer = int(cupy.cuda.runtime.malloc(size))
+            except (cupy.cuda.runtime.CUDARuntimeError, OverflowError) as exc:
+                raise OutOfMemoryError(
+                    f"cannot allocate {size} bytes on {device} for {num_slots} bucket slots ({exc}); "
+                    "lower bucket_size_bytes or free device memory"
+                ) from exc
             try:
                 cupy.cuda.runtime.memset(pointer, 0, size)
                 slots = cls(cupy, pointer, True, device, bucket_size, num_slots)

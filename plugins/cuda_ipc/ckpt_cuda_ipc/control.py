@@ -107,6 +107,11 @@ class Channel:
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet returned as whole frames."""
+        return len(self._inbox)
+
     def send(self, kind: Kind, body: bytes, deadline: Deadline, phase: str, fds: Sequence[int] = ()) -> None:
         """Send one frame (and ``fds`` with its first byte), all of it, by ``deadline``."""
         data = _PREFIX.pack(int(kind), len(body)) + body
@@ -282,16 +287,14 @@ class Listener:
             self.close()
             raise
 
-    def accept(self, deadline: Deadline) -> socket.socket | None:
-        """The next connection, or ``None`` once ``deadline`` passes."""
-        remaining = deadline.remaining()
-        if remaining <= 0:
-            return None
-        self.sock.settimeout(remaining)
+    def accept_now(self) -> socket.socket | None:
+        """A connection waiting to be accepted, or ``None`` if there is none right now."""
+        self.sock.setblocking(False)
         try:
             conn, _ = self.sock.accept()
-        except TimeoutError:
+        except (BlockingIOError, InterruptedError):
             return None
+        conn.setblocking(True)
         return conn
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import os
+import selectors
 import socket
 import sys
 import tempfile
@@ -106,7 +107,7 @@ class CudaIpcCheckpointEngine(BucketedEngine):
     * ``socket_dir``: where the private control directory is made (default: the system temp
       directory); must be short enough for a Unix socket path.
     * ``release_after_refit``, ``shard_expert_weights``: NeMo RL's, see
-      :class:`ckpt_core.transport.engine.BucketedEngine`. The slot buffers are shared with the peers of
+      :class:`ckpt_core.transport.interfaces.engine.BucketedEngine`. The slot buffers are shared with the peers of
       one ``init``, so ``finalize()`` always unmaps them; ``release_after_refit`` also empties
       torch's CUDA cache on a CUDA device.
     """
@@ -243,11 +244,15 @@ class CudaIpcCheckpointEngine(BucketedEngine):
             )
         device = self._buffer_device()
         slots: HostSlots | CudaSlots
-        if device.type == "cpu":
-            slots = HostSlots.allocate(self.bucket_size, NUM_SLOTS)
-            self._host_slots.append(slots)
-        else:
-            slots = CudaSlots.allocate(device, self.bucket_size, NUM_SLOTS)
+        try:
+            if device.type == "cpu":
+                slots = HostSlots.allocate(self.bucket_size, NUM_SLOTS)
+                self._host_slots.append(slots)
+            else:
+                slots = CudaSlots.allocate(device, self.bucket_size, NUM_SLOTS)
+        except BaseException:
+            self._close_listener()  # rollouts already connecting learn of the failure at once
+            raise
         channels: list[Channel] = []
         try:
             channels = _Handshake(self, slots, train_world_size, rollout_world_size, metadata).run()
@@ -270,7 +275,7 @@ class CudaIpcCheckpointEngine(BucketedEngine):
         deadline = Deadline(self.timeout_s)
         channel = Channel(connect(metadata[0]["socket"], deadline, _ROLLOUT_PEER), _ROLLOUT_PEER)
         try:
-            slots = self._join(channel, rollout_rank, train_world_size, metadata, deadline)
+            slots = self._join(channel, rollout_rank, (train_world_size, rollout_world_size), metadata, deadline)
         except BaseException:
             channel.close()
             raise
@@ -280,7 +285,7 @@ class CudaIpcCheckpointEngine(BucketedEngine):
         self,
         channel: Channel,
         rollout_rank: int,
-        train_world_size: int,
+        world_sizes: tuple[int, int],
         metadata: list[dict[str, Any]],
         deadline: Deadline,
     ) -> HostSlots | CudaSlots:
@@ -289,6 +294,7 @@ class CudaIpcCheckpointEngine(BucketedEngine):
             "rollout_rank": rollout_rank,
             "engine_id": self._engine_id,
             "policy_engine_id": metadata[0]["engine_id"],
+            "world_sizes": list(world_sizes),
         }
         channel.send_json(hello, deadline, "introducing this rollout")
         kind, body, fds = channel.recv_with_fds(deadline, "waiting for the shared buffers", max_fds=1)
@@ -297,7 +303,8 @@ class CudaIpcCheckpointEngine(BucketedEngine):
                 raise WireFormatError(f"expected a welcome from {_ROLLOUT_PEER}, got a {kind.name} frame")
             welcome = decode_json(body, _ROLLOUT_PEER)
             if welcome["type"] == "reject":
-                raise AuthenticationError(f"{_ROLLOUT_PEER} refused this rollout: {welcome.get('reason')}")
+                error = EngineOptionError if welcome.get("mismatch") is True else AuthenticationError
+                raise error(f"{_ROLLOUT_PEER} refused this rollout: {welcome.get('reason')}")
             buffers = welcome.get("buffers")
             if welcome["type"] != "welcome" or not isinstance(buffers, dict):
                 raise WireFormatError(f"expected a welcome with buffers from {_ROLLOUT_PEER}, got {welcome!r:.300}")
@@ -350,7 +357,17 @@ class CudaIpcCheckpointEngine(BucketedEngine):
 
 
 class _Handshake:
-    """Policy rank 0 meets every rollout rank: accept, check, hand out buffers, wait until mapped."""
+    """Policy rank 0 meets every rollout rank: accept, check, hand out buffers, wait until mapped.
+
+    Any local process of the same user can connect to the control socket, so connections wait
+    in a lobby until their hello arrives, read as they become readable: one silent or slow
+    connection holds up nobody, a malformed or unexpected one is refused and closed without
+    failing the init, and the lobby holds at most ``LOBBY_SIZE`` strangers (the oldest is
+    dropped for a new one) whose hellos may be at most ``HELLO_MAX_BYTES`` long.
+    """
+
+    LOBBY_SIZE = 64
+    HELLO_MAX_BYTES = 4096
 
     def __init__(
         self,
@@ -369,14 +386,12 @@ class _Handshake:
         self.metadata = metadata
         self.deadline = Deadline(engine.timeout_s)
         self.channels: dict[int, Channel] = {}
+        self.lobby: dict[Channel, int] = {}  # connected, hello not read yet -> pid; oldest first
+        self.owner = type(engine).__name__
 
     def run(self) -> list[Channel]:
         try:
-            while len(self.channels) < self.rollout_world_size:
-                conn = self.listener.accept(self.deadline)
-                if conn is None:
-                    raise self._timeout("connect")
-                self._admit(conn)
+            self._gather()
             description = self.slots.describe()
             for _, channel in sorted(self.channels.items()):
                 self._welcome(channel, description)
@@ -391,7 +406,71 @@ class _Handshake:
             for channel in self.channels.values():
                 channel.close()
             raise
+        finally:
+            for stranger in self.lobby:
+                stranger.close()
+            self.lobby = {}
         return [self.channels[rank] for rank in range(self.rollout_world_size)]
+
+    def _gather(self) -> None:
+        """Accept connections and read hellos, as each is ready, until every rank is in."""
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.listener.sock, selectors.EVENT_READ, None)
+            while len(self.channels) < self.rollout_world_size:
+                remaining = self.deadline.remaining()
+                if remaining <= 0:
+                    raise self._timeout("connect")
+                for key, _ in selector.select(remaining):
+                    if key.data is None:
+                        self._accept(selector)
+                    elif key.data in self.lobby:
+                        self._hear(selector, key.data)
+
+    def _accept(self, selector: selectors.BaseSelector) -> None:
+        conn = self.listener.accept_now()
+        if conn is None:
+            return
+        pid, uid, _ = peer_credentials(conn)
+        stranger = Channel(conn, f"a process (pid {pid}) connecting to the control socket")
+        if uid != os.getuid():
+            self._refuse(stranger, f"it runs as uid {uid}, the policy as uid {os.getuid()}")
+            return
+        if len(self.lobby) >= self.LOBBY_SIZE:
+            oldest = next(iter(self.lobby))
+            self._leave(selector, oldest)
+            oldest.close()
+        self.lobby[stranger] = pid
+        selector.register(stranger.sock, selectors.EVENT_READ, stranger)
+
+    def _leave(self, selector: selectors.BaseSelector, stranger: Channel) -> None:
+        selector.unregister(stranger.sock)
+        del self.lobby[stranger]
+
+    def _hear(self, selector: selectors.BaseSelector, stranger: Channel) -> None:
+        """Read what ``stranger`` sent; once it is a whole frame, admit or refuse it."""
+        try:
+            frames = stranger.read_ready("waiting for its hello")
+            if not frames and stranger.buffered > self.HELLO_MAX_BYTES:
+                raise WireFormatError(f"its hello exceeds {self.HELLO_MAX_BYTES} bytes")
+        except PeerLostError:  # it gave up before saying anything (a stale-directory probe, say)
+            self._leave(selector, stranger)
+            stranger.close()
+            return
+        except WireFormatError as exc:
+            self._leave(selector, stranger)
+            self._refuse(stranger, f"it sent a malformed frame ({exc})")
+            return
+        if not frames:
+            return
+        pid = self.lobby[stranger]
+        self._leave(selector, stranger)
+        kind, body = frames[0]
+        try:
+            hello = decode_json(body, stranger.peer) if kind is Kind.CONTROL else {"type": kind.name}
+        except WireFormatError as exc:
+            self._refuse(stranger, f"its hello is malformed ({exc})")
+            return
+        self._admit(stranger, pid, hello)
 
     def _timeout(self, step: str) -> TransferTimeoutError:
         missing = sorted(set(range(self.rollout_world_size)) - set(self.channels))
@@ -401,19 +480,8 @@ class _Handshake:
             "metadata?"
         )
 
-    def _admit(self, conn: socket.socket) -> None:
-        """Read one hello; keep the connection if it is an expected rollout, else refuse it."""
-        pid, uid, _ = peer_credentials(conn)
-        stranger = Channel(conn, f"a process (pid {pid}) connecting to the control socket")
-        if uid != os.getuid():
-            self._refuse(stranger, f"it runs as uid {uid}, the policy as uid {os.getuid()}")
-            return
-        try:
-            kind, body = stranger.recv(self.deadline, "waiting for its hello")
-            hello = decode_json(body, stranger.peer) if kind is Kind.CONTROL else {"type": kind.name}
-        except PeerLostError:  # it gave up before saying anything (a stale-directory probe, say)
-            stranger.close()
-            return
+    def _admit(self, stranger: Channel, pid: int, hello: dict[str, Any]) -> None:
+        """Keep the connection if ``hello`` is an expected rollout's, else refuse it."""
         rank = hello.get("rollout_rank")
         if hello.get("type") != "hello" or hello.get("policy_engine_id") != self.engine_id:
             self._refuse(stranger, "it is not a rollout of this engine (wrong message or engine id)")
@@ -427,11 +495,20 @@ class _Handshake:
         if rank in self.channels:
             self._refuse(stranger, f"rollout rank {rank} is already connected")
             return
+        mine = [self.train_world_size, self.rollout_world_size]
+        if hello.get("world_sizes") != mine:
+            reason = (
+                f"rollout rank {rank} was initialized with (train_world_size, rollout_world_size) = "
+                f"{hello.get('world_sizes')!r}, policy rank 0 with {mine!r}: pass the same world sizes "
+                "to every worker"
+            )
+            self._refuse(stranger, reason, mismatch=True)
+            raise EngineOptionError(f"{self.owner}: {reason}")
         self.channels[rank] = Channel(stranger.sock, f"rollout rank {rank} (pid {pid})")
 
-    def _refuse(self, channel: Channel, reason: str) -> None:
+    def _refuse(self, channel: Channel, reason: str, *, mismatch: bool = False) -> None:
         try:
-            channel.send_json({"type": "reject", "reason": reason}, self.deadline, "refusing it")
+            channel.send_json({"type": "reject", "reason": reason, "mismatch": mismatch}, self.deadline, "refusing it")
         except TransferError:
             pass
         channel.close()

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ckpt_core.errors import EngineOptionError
-from ckpt_core.transport import TOPOLOGIES, check_bool, check_choice, check_positive_number
+from ckpt_core.transport import MAX_TIMEOUT_S, TOPOLOGIES, check_bool, check_choice, check_positive_number
 
 _CUDA_DEVICE = re.compile(r"cuda(?::(\d+))?")
 
@@ -82,7 +82,7 @@ def check_options(
         bucket_size=bucket_size,
         topology=check_choice(owner, "topology", topology, TOPOLOGIES),
         host=host,
-        timeout_s=check_positive_number(owner, "timeout_s", timeout_s),
+        timeout_s=check_positive_number(owner, "timeout_s", timeout_s, MAX_TIMEOUT_S),
         checksum=check_bool(owner, "checksum", checksum),
         device_index=parse_device(owner, device),
         release_after_refit=check_bool(owner, "release_after_refit", release_after_refit),

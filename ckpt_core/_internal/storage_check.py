@@ -1,0 +1,51 @@
+"""Is a weight's memory really there? Checked before a single byte of it is read.
+
+A tensor's metadata can outlive its memory: FSDP frees an unsharded parameter's storage with
+``untyped_storage().resize_(0)`` and keeps the tensor; a ``FakeTensor`` has a ``meta``
+storage behind a ``cpu`` device. Reading such a tensor's ``data_ptr()`` reads freed or foreign
+memory: Gloo's ``writev`` fails with "Bad address" (SIGABRT), a copy faults (SIGSEGV), and a
+storage shrunk below its view sends heap garbage without an error. So every weight's storage
+must be real (not ``meta``, a non-null pointer) and hold every byte its view addresses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ckpt_core.errors import UnsupportedTensorError
+
+
+def check_storage(name: str, tensor: torch.Tensor) -> None:
+    """``UnsupportedTensorError`` unless ``tensor``'s storage holds every byte it views."""
+    numel = tensor.numel()
+    if numel == 0:
+        return
+    try:
+        storage = tensor.untyped_storage()
+        offset = tensor.storage_offset()
+        on_meta = storage.device.type == "meta"
+        available = storage.nbytes()
+        address = 0 if on_meta else storage.data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError) as exc:  # a wrapper subclass (DTensor, ...)
+        raise UnsupportedTensorError(
+            f"weight {name!r} ({type(tensor).__name__}) has no storage of its own "
+            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); yield a plain tensor "
+            "(for a DTensor: its full_tensor() or to_local())"
+        ) from exc
+    if on_meta:
+        raise UnsupportedTensorError(
+            f"weight {name!r} ({type(tensor).__name__}) has no data: its storage is on the meta "
+            "device (a FakeTensor or a meta tensor); yield a materialized tensor"
+        )
+    if tensor.is_contiguous():
+        last = numel - 1
+    else:
+        last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    needed = (offset + last + 1) * tensor.dtype.itemsize
+    if available < needed or address == 0:
+        freed = " (it was freed: resize_(0), as FSDP does to unsharded parameters)" if available == 0 else ""
+        raise UnsupportedTensorError(
+            f"weight {name!r} views {needed} bytes of its storage, which holds {available}{freed}; "
+            "yield the weight while its storage is allocated (e.g. inside FSDP's summon_full_params "
+            "or after unsharding), never after freeing it"
+        )
