@@ -7,7 +7,7 @@ Groups are built on a :class:`DetachableStore` instead; :meth:`DetachableStore.d
 its ``TCPStore`` once every member's groups have formed, which closes the server (policy
 rank 0) or the client connection (everyone else). Groups never use the store after forming
 (unless ``TORCH_GLOO_LAZY_INIT`` is set: then the store is never detached, see
-:func:`ckpt_core.fence.lazy_init`).
+:func:`ckpt_core._internal.fence.lazy_init`).
 """
 
 from __future__ import annotations

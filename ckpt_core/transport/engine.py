@@ -168,7 +168,7 @@ class BucketedEngine(CheckpointEngine):
 
     def _agreed_settings(self) -> dict[str, Any]:
         """Settings every worker of this engine must share (plain JSON values), compared with
-        every peer's at init (:mod:`ckpt_core.agreement`); transports add their own."""
+        every peer's at init (:mod:`ckpt_core._internal.agreement`); transports add their own."""
         return {"bucket_size": self.bucket_size, "checksum": self.checksum}
 
     # --- the seed lifecycle ------------------------------------------------------------

@@ -7,12 +7,13 @@ never registered with ``torch.distributed``: the caller's default process group 
 created, required or changed, and ``torch.distributed.is_initialized()`` stays as it was.
 
 Once its groups have formed, a worker stops listening for strangers: it fences its Gloo
-listeners at once (:mod:`ckpt_core.fence`) and drops the store; policy rank 0, once every member
-said its groups formed, closes the store server (:mod:`ckpt_core.store`).
-Engines whose payloads ride NCCL keep the store, which NCCL may still use
-(:meth:`DistributedEngine._store_needed_after_init`).
+listeners at once (:mod:`ckpt_core._internal.fence`) and drops the store; policy rank 0, once
+every member said its groups formed, closes the store server (:mod:`ckpt_core._internal.store`).
+A payload group of its own (NCCL's) moves its first byte during init
+(:meth:`DistributedEngine._connect_data_group`), so its communicator exists before the store
+goes.
 Before groups form, members compare world sizes and metadata at rendezvous
-(:mod:`ckpt_core.agreement`), so a mismatch is named at once instead of timing out.
+(:mod:`ckpt_core._internal.agreement`), so a mismatch is named at once instead of timing out.
 
 Topologies:
 
@@ -417,14 +418,8 @@ class DistributedEngine(BucketedEngine):
                 f"waiting for every member's groups to form, as {identity}, did not complete within "
                 f"{self.timeout_s:g}s: {exc}"
             ) from exc
-        if not lazy and not self._store_needed_after_init():
+        if not lazy:
             self._close_store()
-
-    def _store_needed_after_init(self) -> bool:
-        """Whether the data group may still use the store after forming. A Gloo group never
-        does; NCCL may create a point-to-point communicator through it at first use, so
-        engines with another data group keep it (see docs/reliability.md)."""
-        return not self._shares_control_group()
 
     def _make_link(self, store: Any, name: str, rank: int, size: int, peer: str) -> Link:
         prefixed = dist.PrefixStore(f"{name}/", store)
@@ -439,7 +434,17 @@ class DistributedEngine(BucketedEngine):
                 f"forming the {name!r} group with {peer} failed within {self.timeout_s:g}s: {exc}"
             ) from exc
         self._groups.extend({id(control): control, id(data): data}.values())
-        return Link(control, data, rank=rank, size=size, broadcast=self.topology == "broadcast", peer=peer)
+        link = Link(control, data, rank=rank, size=size, broadcast=self.topology == "broadcast", peer=peer)
+        if data is not control:
+            self._connect_data_group(link)
+        return link
+
+    def _connect_data_group(self, link: Link) -> None:
+        """Move one byte on the payload group now, the way payloads will move (a broadcast, or
+        a send/recv per pair). A group such as NCCL's builds its communicator through the store
+        at its first message; made here, during init, the store can close like a Gloo one."""
+        first = torch.zeros(1, dtype=torch.uint8, device=self._buffer_device())
+        link.wait([link.post(link.data, first, _PAYLOAD_TAG)], self.timeout_s, "connecting the payload group")
 
     def _check_topology(self, train_world_size: int, rollout_world_size: int) -> None:
         if self.topology == "paired" and train_world_size < rollout_world_size:

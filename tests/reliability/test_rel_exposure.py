@@ -131,7 +131,8 @@ def _refit_once(policy: CheckpointEngine, rollout: CheckpointEngine) -> None:
 
 def test_the_rendezvous_store_is_closed_after_init() -> None:
     """An unauthenticated client could write keys into policy rank 0's store for the engine's
-    whole life; once the groups have formed it must be gone."""
+    whole life; once the groups have formed it must be gone. (The nccl engine's own test is in
+    plugins/nccl/tests/test_nccl_host_conformance.py: its ranks need processes of their own.)"""
     policy, rollout = (
         create_checkpoint_engine("gloo_cpu", bucket_size_bytes=4096, engine_kwargs={"timeout_s": 20}) for _ in range(2)
     )
