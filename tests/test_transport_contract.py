@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from ckpt_core.errors import NotAnEngineError
+from ckpt_core.errors import NotAnEngineError, WireFormatError
 from ckpt_core.registry import resolve_backend
 from ckpt_core.transport import BucketedEngine, BucketReceiver, BucketSender
 
@@ -62,3 +62,26 @@ def test_an_abstract_intermediate_base_needs_no_name() -> None:
             raise NotImplementedError
 
     assert Done(bucket_size=1024).backend_name == "done"
+
+
+class ClaimsTheEngineId(BucketedEngine):
+    backend_name = "claims"
+
+    def _prepare_transport(self) -> dict[str, Any]:
+        return {"engine_id": "mine", "port": 1}
+
+    def _connect_policy(
+        self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> BucketSender | None:
+        return None
+
+    def _connect_rollout(
+        self, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> BucketReceiver:
+        raise NotImplementedError
+
+
+def test_a_transport_cannot_overwrite_the_engines_own_metadata() -> None:
+    engine = ClaimsTheEngineId(bucket_size=1024)
+    with pytest.raises(WireFormatError, match=r"returned the keys \['engine_id'\]"):
+        engine.prepare()

@@ -31,7 +31,6 @@ _EXPORTS = {
     "Link": "ckpt_core.transport.torch_distributed",
     "MAX_HEADER_BYTES": "ckpt_core._internal.wire",
     "MAX_TIMEOUT_S": "ckpt_core.transport.options",
-    "ROW_WORDS": "ckpt_core._internal.device_checksum",
     "TOPOLOGIES": "ckpt_core.transport.torch_distributed",
     "check_bool": "ckpt_core.transport.options",
     "check_choice": "ckpt_core.transport.options",
@@ -48,7 +47,7 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from ckpt_core._internal.checksum import payload_checksum
-    from ckpt_core._internal.device_checksum import ROW_WORDS, device_payload_checksum
+    from ckpt_core._internal.device_checksum import device_payload_checksum
     from ckpt_core._internal.dtypes import dtype_from_name, dtype_name
     from ckpt_core._internal.pipeline import Checksum
     from ckpt_core._internal.wire import MAX_HEADER_BYTES, decode_header

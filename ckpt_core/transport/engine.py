@@ -178,7 +178,14 @@ class BucketedEngine(CheckpointEngine):
         self._engine_id = uuid.uuid4().hex
         metadata = {"backend": self.backend_name, "format": FORMAT_VERSION, "engine_id": self._engine_id}
         metadata[AGREED_KEY] = self._agreed_settings()
-        metadata.update(self._prepare_transport())
+        transport = self._prepare_transport()
+        clash = sorted(set(transport) & set(metadata))
+        if clash:
+            raise WireFormatError(
+                f"{type(self).__name__}._prepare_transport() returned the keys {clash}, which the "
+                f"engine's own metadata uses ({sorted(metadata)}): name the transport's keys otherwise"
+            )
+        metadata.update(transport)
         self._state = _State.PREPARED
         return metadata
 

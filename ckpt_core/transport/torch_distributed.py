@@ -49,6 +49,7 @@ import torch.distributed as dist
 from ckpt_core._internal.agreement import agree_as_member, agree_as_policy
 from ckpt_core._internal.auth import answer_challenge, host_challenge, resolve_token, verify_members
 from ckpt_core._internal.fence import ListenerFence, gloo_device, lazy_init
+from ckpt_core._internal.node_address import AUTO, HOST_ENV, node_address
 from ckpt_core._internal.store import DetachableStore
 from ckpt_core._internal.wire import MAX_HEADER_BYTES
 from ckpt_core.errors import EngineOptionError, LifecycleError, PeerLostError, TransferTimeoutError, WireFormatError
@@ -237,7 +238,9 @@ class DistributedEngine(BucketedEngine):
     on across hosts or to debug a transport, and subclasses with a cheaper checksum default it
     on), ``topology``
     (``"broadcast"`` or ``"paired"``), ``host`` (the address this worker binds and advertises;
-    default ``127.0.0.1``, set it to the node's address for multi-node runs), ``auth_token``
+    default ``127.0.0.1``; set it to the node's address for multi-node runs, or to ``"auto"``
+    where every worker gets the same options: see :mod:`ckpt_core._internal.node_address`),
+    ``auth_token``
     (a shared secret checked at rendezvous, see :mod:`ckpt_core._internal.auth`; default: the
     ``CKPT_CORE_AUTH_TOKEN`` environment variable, else none), ``release_after_refit`` and
     ``shard_expert_weights`` (see :class:`~ckpt_core.transport.engine.BucketedEngine`).
@@ -276,6 +279,14 @@ class DistributedEngine(BucketedEngine):
         self.topology = check_choice(owner, "topology", topology, TOPOLOGIES)
         if not isinstance(host, str) or not host:
             raise EngineOptionError(f"{owner}: host must be a non-empty address string, got {host!r}")
+        if host == AUTO:
+            try:
+                host = node_address()
+            except OSError as exc:
+                raise EngineOptionError(
+                    f"{owner}: host='auto' could not find this node's address ({exc}); set {HOST_ENV} "
+                    "on each node, or pass the address as host"
+                ) from exc
         self.host = host
         self._listener: socket.socket | None = None  # bound in prepare(); the store's, at init
         self._store: DetachableStore | None = None

@@ -25,7 +25,7 @@ from ckpt_core.errors import EngineOptionError, InvalidArgumentError, LayoutUnav
 from ckpt_core.orchestration.workload import digests
 from ckpt_core.registry import check_engine_kwargs, resolve_backend
 from ckpt_core.testing.weights import every_dtype, sized
-from ckpt_core.transport import BucketedEngine
+from ckpt_core.transport import BucketedEngine, DistributedEngine
 
 BACKENDS = ["gloo_cpu", "cuda_ipc", "nccl"]
 
@@ -273,3 +273,21 @@ def test_an_engine_written_against_nemo_rls_base_runs_on_ours() -> None:
     received = asyncio.run(refit())
     assert digests(received) == digests(_weights())
     assert list(digests(received)) == list(digests(_weights()))
+
+
+# --- one set of options for every node -------------------------------------------------------
+
+
+def test_host_auto_takes_each_nodes_own_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NeMo RL gives every worker the same options, so no fixed address can be right on every
+    node: ``host="auto"`` makes each worker resolve its own (``CKPT_CORE_HOST`` first)."""
+    import socket
+
+    monkeypatch.delenv("CKPT_CORE_HOST", raising=False)
+    engine = create_checkpoint_engine("gloo_cpu", bucket_size_bytes=1 << 20, engine_kwargs={"host": "auto"})
+    assert isinstance(engine, DistributedEngine) and engine.host == socket.gethostbyname(socket.gethostname())
+    monkeypatch.setenv("CKPT_CORE_HOST", "127.0.0.1")
+    engine = create_checkpoint_engine("gloo_cpu", bucket_size_bytes=1 << 20, engine_kwargs={"host": "auto"})
+    assert isinstance(engine, DistributedEngine) and engine.host == "127.0.0.1"
+    assert engine.prepare()["host"] == "127.0.0.1"  # what peers are told
+    engine.finalize()

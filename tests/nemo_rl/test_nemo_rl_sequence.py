@@ -45,7 +45,7 @@ class Case:
 CASES = [
     pytest.param(Case(GLOO, 1, 1, {"release_after_refit": True, "timeout_s": 60}), id="gloo-1to1"),
     pytest.param(
-        Case(GLOO, 2, 1, {"release_after_refit": True, "topology": "broadcast", "timeout_s": 60}),
+        Case(GLOO, 2, 1, {"release_after_refit": True, "topology": "broadcast", "host": "auto", "timeout_s": 60}),
         id="gloo-2to1-broadcast",
     ),
     pytest.param(

@@ -16,7 +16,7 @@ class GlooCpuCheckpointEngine(DistributedEngine):
     Options: ``bucket_size`` (bytes), ``device`` (where the bucket buffers and received
     tensors live: ``"cpu"``, the only value; accepted because NeMo RL passes it), ``topology``
     (``"broadcast"`` | ``"paired"``), ``host`` (address to bind and advertise, default
-    ``127.0.0.1``), ``timeout_s`` (every wait, default 300), ``checksum`` (default off:
+    ``127.0.0.1``; ``"auto"``: this node's own), ``timeout_s`` (every wait, default 300), ``checksum`` (default off:
     measured, not cheap), ``auth_token``, ``release_after_refit``, ``shard_expert_weights``.
     See :class:`ckpt_core.transport.torch_distributed.DistributedEngine`.
     """

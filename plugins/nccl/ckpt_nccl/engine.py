@@ -36,7 +36,7 @@ class NcclCheckpointEngine(DistributedEngine):
 
     Options: ``bucket_size`` (bytes; each side holds two buffers of it on its GPU),
     ``topology`` (``"broadcast"`` | ``"paired"``), ``host`` (address to bind and advertise,
-    default ``127.0.0.1``), ``timeout_s`` (every wait, default 300), ``checksum`` (a device
+    default ``127.0.0.1``; ``"auto"``: this node's own), ``timeout_s`` (every wait, default 300), ``checksum`` (a device
     checksum per bucket, verified on the receiving GPU; default on), ``device`` (``"cuda"``
     for the current CUDA device, or ``"cuda:N"``), ``release_after_refit`` (``finalize()`` also
     returns the freed buffer memory from torch's cache to the device, for an inference engine
