@@ -1,8 +1,9 @@
 """ckpt-core: move model weights from RL training workers to inference workers ("refit").
 
-The seed contract (``ckpt_core.base``) is re-exported here. Transports are separate
-distributions found through the ``ckpt_core.backends`` entry-point group; importing this
-package imports none of them. Exports load on first use, so that importing a submodule that
+The seed's five names (also gathered at ``ckpt_core.base``, NeMo RL's module path), the
+registry and the observer hook marker are exported here: what an RL framework calls.
+Transports are separate distributions found through the ``ckpt_core.backends`` entry-point
+group; importing this package imports none of them. Exports load on first use, so that importing a submodule that
 needs no torch (the pytest plugin of the conformance kit, for instance) stays cheap.
 """
 
