@@ -1,6 +1,6 @@
 """What ``BucketedEngine`` requires of a transport is enforced where it is declared: the two
-connect methods are abstract, and a concrete engine without a ``backend_name`` is refused when
-its class is defined."""
+connect methods are abstract, a concrete engine without a ``backend_name`` is refused when its
+class is defined, and a transport's metadata cannot overwrite the engine's own keys."""
 
 from __future__ import annotations
 
@@ -11,6 +11,20 @@ import pytest
 from ckpt_core.errors import NotAnEngineError, WireFormatError
 from ckpt_core.registry import resolve_backend
 from ckpt_core.transport import BucketedEngine, BucketReceiver, BucketSender
+
+
+class _ConnectsNowhere:
+    """Both connect methods, for engines that are never connected in these tests."""
+
+    def _connect_policy(
+        self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> BucketSender | None:
+        return None
+
+    def _connect_rollout(
+        self, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> BucketReceiver:
+        raise NotImplementedError("never connected in these tests")
 
 
 class ForgetsToConnectRollouts(BucketedEngine):
@@ -32,53 +46,25 @@ def test_a_transport_without_connect_rollout_is_abstract() -> None:
 def test_a_concrete_transport_must_name_its_backend() -> None:
     with pytest.raises(TypeError, match="must set backend_name"):
 
-        class Nameless(BucketedEngine):
-            def _connect_policy(
-                self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
-            ) -> BucketSender | None:
-                return None
-
-            def _connect_rollout(
-                self, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
-            ) -> BucketReceiver:
-                raise NotImplementedError
+        class Nameless(_ConnectsNowhere, BucketedEngine):
+            pass
 
 
 def test_an_abstract_intermediate_base_needs_no_name() -> None:
     class HalfWay(BucketedEngine):  # still abstract: no name needed yet
         pass
 
-    class Done(HalfWay):
+    class Done(_ConnectsNowhere, HalfWay):
         backend_name = "done"
-
-        def _connect_policy(
-            self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
-        ) -> BucketSender | None:
-            return None
-
-        def _connect_rollout(
-            self, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
-        ) -> BucketReceiver:
-            raise NotImplementedError
 
     assert Done(bucket_size=1024).backend_name == "done"
 
 
-class ClaimsTheEngineId(BucketedEngine):
+class ClaimsTheEngineId(_ConnectsNowhere, BucketedEngine):
     backend_name = "claims"
 
     def _prepare_transport(self) -> dict[str, Any]:
         return {"engine_id": "mine", "port": 1}
-
-    def _connect_policy(
-        self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
-    ) -> BucketSender | None:
-        return None
-
-    def _connect_rollout(
-        self, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
-    ) -> BucketReceiver:
-        raise NotImplementedError
 
 
 def test_a_transport_cannot_overwrite_the_engines_own_metadata() -> None:
