@@ -15,6 +15,9 @@ import torch
 from ckpt_core.errors import UnsupportedTensorError
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def check_storage(name: str, tensor: torch.Tensor) -> None:
     """``UnsupportedTensorError`` unless ``tensor``'s storage holds every byte it views."""
     numel = tensor.numel()
@@ -23,7 +26,10 @@ def check_storage(name: str, tensor: torch.Tensor) -> None:
     try:
         storage = tensor.untyped_storage()
         offset = tensor.storage_offset()
-        on_meta = storage.device.type == "meta"
+        # A plain tensor's storage is on the tensor's own device, which is cheap to ask; only a
+        # subclass (a FakeTensor is a cpu tensor over a meta storage) needs its storage asked,
+        # which costs a device object per weight.
+        on_meta = tensor.is_meta if type(tensor) in _PLAIN else storage.device.type == "meta"
         available = storage.nbytes()
         address = 0 if on_meta else storage.data_ptr()
     except (RuntimeError, NotImplementedError, TypeError) as exc:  # a wrapper subclass (DTensor, ...)
