@@ -14,7 +14,6 @@ import torch
 
 from ckpt_core.errors import UnsupportedTensorError
 
-
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
