@@ -55,8 +55,8 @@ class BucketedEngine(CheckpointEngine):
     """Base of engines built on the shared bucket pipeline.
 
     Options: ``bucket_size`` (bytes per bucket; each side holds two), ``timeout_s`` (bound on
-    every wait, default 300), ``checksum`` (xxh3 per bucket, default on), and two that NeMo
-    RL passes to every checkpoint engine, with its meaning:
+    every wait, default 300), ``checksum`` (xxh3 per bucket, default on), and two options of
+    NeMo RL's checkpoint engines, with NeMo RL's meaning (its config always passes the first):
 
     * ``release_after_refit`` (default off): NeMo RL then calls ``finalize()`` after every
       refit, and ``finalize()`` also hands cached memory back (the pooled host memory of freed
@@ -75,7 +75,7 @@ class BucketedEngine(CheckpointEngine):
     * ``backend_name``: its entry-point name, required of every concrete subclass;
     * ``_connect_policy`` and ``_connect_rollout`` (abstract): a sender / receiver;
     * optionally ``_prepare_transport``, ``_release_transport``, ``_release_cached_memory``,
-      ``_destinations``, ``_payload_checksum`` and ``_merge_device``.
+      ``_destinations``, ``_payload_checksum``, ``_merge_device`` and ``_agreed_settings``.
 
     Every other underscore name is private to this class.
     """
