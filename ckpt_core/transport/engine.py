@@ -18,8 +18,10 @@ from __future__ import annotations
 import abc
 import contextlib
 import enum
+import functools
+import inspect
 import uuid
-from collections.abc import AsyncGenerator, Generator, Iterator
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -38,9 +40,30 @@ from ckpt_core.errors import (
     WireFormatError,
 )
 from ckpt_core.hooks import RefitNotifier
+from ckpt_core.registry import check_engine_kwargs
 from ckpt_core.stats import RefitStats, Role
 from ckpt_core.transport.interfaces import BucketReceiver, BucketSender
 from ckpt_core.transport.options import MAX_TIMEOUT_S, check_bool, check_positive_number
+
+
+def _naming_unknown_options(init: Callable[..., None]) -> Callable[..., None]:
+    """``init``, refusing an option it does not take with ``EngineOptionError`` (a
+    ``TypeError``) that names the accepted options and the closest match. Callers that build
+    engines themselves (NeMo RL's factory: ``EngineClass(bucket_size=..., **options)``) get the
+    same error as ``create_checkpoint_engine`` instead of Python's bare ``TypeError``."""
+    params = inspect.signature(init).parameters.values()
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    named = {
+        p.name for p in params if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    }
+
+    @functools.wraps(init)
+    def init_naming_unknown_options(self: BucketedEngine, *args: Any, **kwargs: Any) -> None:
+        if not takes_any and not named.issuperset(kwargs):
+            check_engine_kwargs(type(self), {k: v for k, v in kwargs.items() if k != "bucket_size"})
+        init(self, *args, **kwargs)
+
+    return init_naming_unknown_options
 
 
 class _State(enum.Enum):
@@ -94,6 +117,8 @@ class BucketedEngine(CheckpointEngine):
                 f"{cls.__qualname__} must set backend_name = '<its entry-point name>' (a non-empty "
                 f"string; it is stamped into prepare() metadata), got {name!r}"
             )
+        if "__init__" in cls.__dict__:
+            cls.__init__ = _naming_unknown_options(cls.__dict__["__init__"])  # type: ignore[method-assign]
 
     def __init__(
         self,

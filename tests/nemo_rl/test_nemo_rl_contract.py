@@ -291,3 +291,13 @@ def test_host_auto_takes_each_nodes_own_address(monkeypatch: pytest.MonkeyPatch)
     assert isinstance(engine, DistributedEngine) and engine.host == "127.0.0.1"
     assert engine.prepare()["host"] == "127.0.0.1"  # what peers are told
     engine.finalize()
+
+
+@pytest.mark.parametrize("backend", ["gloo_cpu", "cuda_ipc"])
+def test_nemo_rls_own_factory_gets_the_same_named_option_error(backend: str) -> None:
+    """NeMo RL builds an engine as ``EngineClass(bucket_size=..., **options)``, bypassing our
+    factory: a misspelled option still gets our error, naming the closest accepted one."""
+    engine_class = resolve_backend(backend)
+    with pytest.raises(EngineOptionError, match="did you mean 'release_after_refit'") as info:
+        engine_class(bucket_size=1 << 20, release_after_refits=True)  # type: ignore[call-arg]
+    assert isinstance(info.value, TypeError)  # what Python's own error for it would have been
