@@ -6,9 +6,9 @@ whose workers host :class:`ckpt_core.orchestration.worker.RefitWorker` objects. 
 policy ranks, ``P..P+R-1`` the rollout ranks.
 
 A refit is complete only when every rollout rank received every tensor (and, with
-``verify``, each one bit-exact against its sender's source); only then does
-``weight_version`` increase. Any failure raises one ``RefitFailedError`` naming every worker
-that failed, by role and rank, with its error.
+``verify``, each one bit-exact against its sender's source); only then are the rollout workers
+told to ``commit`` it and does ``weight_version`` increase. Any failure raises one
+``RefitFailedError`` naming every worker that failed, by role and rank, with its error.
 """
 
 from __future__ import annotations
@@ -155,6 +155,13 @@ class RefitCoordinator:
         if self.verify:  # digests name what is missing, extra or different
             self._check_digests(index, policy, rollout)
         self._check_counts(index, policy, rollout)
+        # Every rank has all of it: now, and only now, may rollout workers call it current.
+        commit = {"weight_version": self.weight_version + 1}
+        try:
+            self._checked(f"committing refit {index}", [(i, "commit", dict(commit)) for i in self.rollout_workers])
+        except RefitFailedError:
+            self._ready = False
+            raise
         self._refits_since_init += 1
         self.weight_version += 1
         return RefitReport(self.weight_version, policy, rollout)

@@ -310,6 +310,7 @@ _ACTOR_CALLS: dict[str, Any] = {
     "prepare": lambda actor: _worker(actor).prepare(),
     "init": lambda actor, **kwargs: _worker(actor).init(**kwargs),
     "refit": lambda actor, **kwargs: _worker(actor).refit(**kwargs),
+    "commit": lambda actor, **kwargs: _worker(actor).commit(**kwargs),
     "finalize": lambda actor: _worker(actor).finalize(),
     "reset": lambda actor: _worker(actor).reset(),
 }

@@ -74,6 +74,7 @@ class RefitWorker:
             for target in hook_plugins:
                 plugin_manager().register(load_target(target)())
         self.engine: CheckpointEngine = self._new_engine()
+        self.weight_version = 0
 
     def _new_engine(self) -> CheckpointEngine:
         return create_checkpoint_engine(
@@ -136,6 +137,7 @@ class RefitWorker:
             "tensors": count,
             "digests": result_digests,
             "peak_rss_bytes": peak_rss_bytes(),
+            "weight_version": self.weight_version,  # the last committed before this refit
         }
 
     async def _receive(self) -> dict[str, torch.Tensor]:
@@ -157,6 +159,10 @@ class RefitWorker:
                 seen[name] = tensor_digest(tensor) if self.verify else ""
             loader(batch)
         return seen
+
+    def commit(self, *, weight_version: int) -> None:
+        """The coordinator's word that the last refit reached every rollout rank whole."""
+        self.weight_version = weight_version
 
     def finalize(self) -> None:
         self.engine.finalize()
