@@ -1,0 +1,20 @@
+"""Errors of the vLLM adapter; each is also a ckpt-core error, so one ``except`` catches both."""
+
+from __future__ import annotations
+
+from ckpt_core.errors import CheckpointEngineError, LifecycleError
+
+
+class RolloutLoadError(CheckpointEngineError, ValueError):
+    """vLLM refused a received weight (a name the model does not have, a wrong shape, a weight
+    sent twice). The message names the weight; the engine is marked not current."""
+
+
+class IncompleteRefitError(CheckpointEngineError, ValueError):
+    """A refit ended without a weight for some of the model's parameters; they are named. The
+    engine is marked not current: a partial refit would mix two versions of the model."""
+
+
+class StaleWeightsError(LifecycleError):
+    """Generation was asked of an engine whose weights are not the last committed version (a
+    refit failed, or one is in progress). Refit again, or pass ``allow_stale=True``."""

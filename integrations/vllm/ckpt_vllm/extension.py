@@ -1,0 +1,239 @@
+"""The vLLM worker extension: each vLLM worker (each tensor-parallel rank) becomes one rollout
+rank of a refit.
+
+Give it to vLLM as ``LLM(..., worker_extension_cls=WORKER_EXTENSION)`` or
+``vllm serve --worker-extension-cls ckpt_vllm.extension.CkptEngineWorkerExtension``; vLLM adds
+it to its worker class's bases, so its methods run inside every worker, reached from the
+driver with ``collective_rpc("ckpt_engine_...", kwargs=...)``. Names start with ``ckpt_engine_``
+so they cannot clash with vLLM's own (vLLM refuses an extension that shadows a worker
+attribute).
+
+Every method returns a reply record, never raises: ``{"ok": True, "result": ...}`` or
+``{"ok": False, "error_type": ..., "message": ..., "traceback": ...}``, so the driver learns the
+outcome of every rank, not only the first failure. :class:`ckpt_vllm.rollout.VllmRollout`
+turns the records into values or one error naming every failed rank.
+
+Lifecycle, per rank: ``create`` -> ``prepare`` -> ``init`` -> (``refit`` -> ``commit``)... ->
+``finalize``; ``reset`` replaces a failed engine (then ``prepare`` and ``init`` again). A rank
+is *current* only between a ``commit`` and the next ``refit``: ``refit`` marks it not current
+first (its weights are about to change), and only the driver, once every rank loaded the
+whole refit, commits the new version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from ckpt_core.contract import CheckpointEngine
+from ckpt_core.errors import LifecycleError
+from ckpt_core.orchestration.protocol import error_reply
+from ckpt_core.orchestration.workload import tensor_digest
+from ckpt_core.registry import create_checkpoint_engine
+from ckpt_vllm.loading import load_streamed_weights
+from ckpt_vllm.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+
+
+@dataclasses.dataclass
+class _RankState:
+    """What one worker knows of its refits (kept on the worker as one attribute)."""
+
+    backend: str
+    bucket_size_bytes: int
+    engine_kwargs: dict[str, Any]
+    rank_offset: int
+    verify: bool
+    engine: CheckpointEngine
+    weight_version: int = 0
+    current: bool = True  # the weights vLLM loaded at start-up are a consistent model
+    loaded_refit: int | None = None  # refit index loaded completely, awaiting commit
+    last_error: str | None = None
+
+    def status(self, rank: int) -> dict[str, Any]:
+        return {
+            "rank": rank,
+            "weight_version": self.weight_version,
+            "current": self.current,
+            "last_error": self.last_error,
+        }
+
+
+def _replying(method: Callable[..., Any]) -> Callable[..., dict[str, Any]]:
+    """Run ``method``; its value or its exception as a plain reply record."""
+
+    def replying(self: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        try:
+            return {"ok": True, "result": method(self, *args, **kwargs)}
+        except Exception as exc:  # noqa: BLE001 - every failure goes back to the driver
+            return error_reply(exc)
+
+    replying.__name__ = method.__name__
+    replying.__qualname__ = method.__qualname__
+    replying.__doc__ = method.__doc__
+    return replying
+
+
+class CkptEngineWorkerExtension:
+    """Methods vLLM mixes into each of its workers (see the module docstring)."""
+
+    # Set by vLLM's worker; declared for readers and type checkers.
+    rank: int
+    model_runner: Any
+    vllm_config: Any
+    _ckpt_engine_state: _RankState | None
+
+    def _ckpt_engine(self) -> _RankState:
+        state = getattr(self, "_ckpt_engine_state", None)
+        if state is None:
+            raise LifecycleError("no checkpoint engine on this vLLM worker: call ckpt_engine_create first")
+        return state
+
+    @_replying
+    def ckpt_engine_create(
+        self,
+        backend: str,
+        bucket_size_bytes: int,
+        engine_kwargs: dict[str, Any] | None = None,
+        rank_offset: int = 0,
+        verify: bool = False,
+    ) -> dict[str, Any]:
+        """Build this rank's engine (``create_checkpoint_engine(backend, ...)``); its rollout rank
+        is ``rank_offset`` + this worker's rank. ``verify`` adds a digest of every received
+        tensor to refit reports (for a coordinator that checks them against the sender's)."""
+        previous = getattr(self, "_ckpt_engine_state", None)
+        if previous is not None:
+            raise LifecycleError("this vLLM worker has a checkpoint engine already: finalize it first")
+        kwargs = dict(engine_kwargs or {})
+        engine = create_checkpoint_engine(backend, bucket_size_bytes=bucket_size_bytes, engine_kwargs=dict(kwargs))
+        self._ckpt_engine_state = _RankState(backend, bucket_size_bytes, kwargs, rank_offset, verify, engine)
+        return self._ckpt_engine_state.status(self._ckpt_engine_rollout_rank())
+
+    def _ckpt_engine_rollout_rank(self) -> int:
+        state = self._ckpt_engine_state
+        return (state.rank_offset if state is not None else 0) + int(self.rank)
+
+    @_replying
+    def ckpt_engine_prepare(self) -> Any:
+        """``engine.prepare()``, with this worker's rollout ``rank`` added to dict metadata (as
+        NeMo RL's vLLM workers do, so an orchestrator can order the entries)."""
+        metadata = self._ckpt_engine().engine.prepare()
+        if isinstance(metadata, dict):
+            metadata = {**metadata, "rank": self._ckpt_engine_rollout_rank()}
+        return metadata
+
+    @_replying
+    def ckpt_engine_init(self, *, train_world_size: int, rollout_world_size: int, metadata: list[Any]) -> None:
+        """``engine.init_rollout_process_group`` for this worker's rollout rank."""
+        self._ckpt_engine().engine.init_rollout_process_group(
+            rollout_rank=self._ckpt_engine_rollout_rank(),
+            train_world_size=train_world_size,
+            rollout_world_size=rollout_world_size,
+            metadata=metadata,
+        )
+
+    @_replying
+    def ckpt_engine_refit(self, *, refit_index: int = 0) -> dict[str, Any]:
+        """Receive one refit and stream it into the model; a report of what arrived.
+
+        The rank is not current from the first byte on; on success it waits for
+        ``ckpt_engine_commit``. On failure the error is recorded, the engine is finalized (its
+        peer sees the connection close instead of waiting out its deadline) and must be
+        replaced with ``ckpt_engine_reset`` before the next refit.
+        """
+        state = self._ckpt_engine()
+        state.current = False
+        state.loaded_refit = None
+        peak_known = reset_peak_rss()
+        rss_before = rss_bytes()
+        digests: dict[str, str] = {}
+        start = time.perf_counter()
+        try:
+            tensors, nbytes = load_streamed_weights(self, self._ckpt_engine_received(state, digests))
+        except BaseException as exc:
+            state.last_error = f"refit {refit_index}: {type(exc).__name__}: {exc}"
+            try:
+                state.engine.finalize()
+            except Exception:  # noqa: BLE001 - the refit's error is the one to report
+                pass
+            raise
+        seconds = time.perf_counter() - start
+        state.loaded_refit = refit_index
+        state.last_error = None
+        stats = getattr(state.engine, "last_stats", None)
+        return {
+            "role": "rollout",
+            "rank": self._ckpt_engine_rollout_rank(),
+            "tensors": tensors,
+            "bytes": nbytes,
+            "wall_seconds": seconds,
+            "stats": stats.to_dict() if stats is not None else None,
+            "digests": digests,
+            "rss_before_bytes": rss_before,
+            "peak_rss_bytes": peak_rss_bytes() if peak_known else None,
+        }
+
+    def _ckpt_engine_received(self, state: _RankState, digests: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The engine's received batches as one stream of ``(name, tensor)``, pulled as vLLM
+        loads them (so at most the engine's own buffers and vLLM's pending layer are held)."""
+        batches = state.engine.receive_weight_batches()
+        loop = asyncio.new_event_loop()
+        try:
+            while True:
+                try:
+                    batch = loop.run_until_complete(batches.__anext__())
+                except StopAsyncIteration:
+                    return
+                for name, tensor in batch:
+                    if state.verify:
+                        digests[name] = tensor_digest(tensor)
+                    yield name, tensor
+        finally:
+            loop.run_until_complete(batches.aclose())
+            loop.close()
+
+    @_replying
+    def ckpt_engine_commit(self, *, weight_version: int) -> dict[str, Any]:
+        """Mark the refit just loaded as ``weight_version``, current. Called by the driver once
+        every rank loaded the whole refit; refused on a rank that did not."""
+        state = self._ckpt_engine()
+        if state.loaded_refit is None:
+            raise LifecycleError(
+                f"rank {self._ckpt_engine_rollout_rank()} has no completely loaded refit to commit"
+                + (f" (last error: {state.last_error})" if state.last_error else "")
+            )
+        state.weight_version = weight_version
+        state.current = True
+        state.loaded_refit = None
+        return state.status(self._ckpt_engine_rollout_rank())
+
+    @_replying
+    def ckpt_engine_status(self) -> dict[str, Any]:
+        """``{"rank", "weight_version", "current", "last_error"}`` of this rank."""
+        return self._ckpt_engine().status(self._ckpt_engine_rollout_rank())
+
+    @_replying
+    def ckpt_engine_reset(self) -> dict[str, Any]:
+        """Replace this rank's engine with a fresh one of the same backend and options (after
+        a failed refit); the weight version and the not-current mark stay."""
+        state = self._ckpt_engine()
+        try:
+            state.engine.finalize()
+        except Exception:  # noqa: BLE001 - the old engine is being thrown away
+            pass
+        state.engine = create_checkpoint_engine(
+            state.backend, bucket_size_bytes=state.bucket_size_bytes, engine_kwargs=dict(state.engine_kwargs)
+        )
+        state.loaded_refit = None
+        return state.status(self._ckpt_engine_rollout_rank())
+
+    @_replying
+    def ckpt_engine_finalize(self) -> None:
+        """``engine.finalize()`` and forget the engine (``ckpt_engine_create`` may follow)."""
+        state = self._ckpt_engine()
+        self._ckpt_engine_state = None
+        state.engine.finalize()

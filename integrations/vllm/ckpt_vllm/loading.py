@@ -1,0 +1,113 @@
+"""Streaming received weights into a live vLLM model.
+
+vLLM's layerwise reload (``vllm.model_executor.model_loader.reload``, the machinery behind its
+own ``reload_weights``) restores each layer's checkpoint-format parameters, lets
+``model.load_weights`` fill them, and re-runs the layer's post-load processing (repacking,
+quantization) as soon as every weight of that layer arrived. So a refit streams: a layer is
+processed while later batches are still on the wire, and the model is never held twice. Send a
+layer's weights together (Hugging Face state-dict order does): vLLM buffers the weights of each
+layer that is not complete yet.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from ckpt_vllm.errors import IncompleteRefitError, RolloutLoadError
+
+logger = logging.getLogger(__name__)
+
+
+class _TrackedWeights:
+    """Iterates ``weights`` once, remembering the last name handed to vLLM and whether an
+    exception came from the source (the transport) rather than from vLLM's loaders."""
+
+    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._weights = weights
+        self.last: tuple[str, torch.Tensor] | None = None
+        self.count = 0
+        self.nbytes = 0
+        self.source_failed = False
+        self._seen: set[str] = set()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        source = iter(self._weights)
+        while True:
+            try:
+                name, tensor = next(source)
+            except StopIteration:
+                return
+            except BaseException:
+                self.source_failed = True
+                raise
+            if name in self._seen:
+                raise RolloutLoadError(f"weight {name!r} arrived twice in one refit")
+            self._seen.add(name)
+            self.last = (name, tensor)
+            self.count += 1
+            self.nbytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    def describe_last(self) -> str:
+        if self.last is None:
+            return "before the first weight"
+        name, tensor = self.last
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        return f"at weight {name!r} (shape {list(tensor.shape)}, {dtype})"
+
+
+def load_streamed_weights(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
+    """Load ``weights`` into ``worker``'s model as they arrive; returns (tensors, bytes) loaded.
+
+    ``worker`` is a vLLM worker (it has ``model_runner`` and ``vllm_config``). Errors raised by
+    ``weights`` itself (a transport's ``TransferError``...) propagate unchanged; a weight vLLM
+    refuses raises :class:`RolloutLoadError` naming it; a refit that leaves any parameter of the
+    model without a weight raises :class:`IncompleteRefitError`. After any error the model's
+    layerwise state is finalized (the next refit starts clean), but its weights are a mix of
+    two versions: the caller must treat the engine as not current until a refit succeeds.
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    model = worker.model_runner.get_model()
+    expected = {name for name, _ in model.named_parameters()}
+    tracked = _TrackedWeights(weights)
+    with set_current_vllm_config(worker.vllm_config):
+        initialize_layerwise_reload(model)
+        try:
+            loaded = model.load_weights(tracked)
+        except BaseException as exc:
+            cleanup = _finalize_after_failure(model, worker.vllm_config.model_config)
+            if cleanup:
+                logger.error("%s", cleanup)
+            if tracked.source_failed or isinstance(exc, (RolloutLoadError, KeyboardInterrupt)):
+                raise
+            raise RolloutLoadError(
+                f"vLLM could not load the refit {tracked.describe_last()}: {exc}" + (f" ({cleanup})" if cleanup else "")
+            ) from exc
+        finalize_layerwise_reload(model, worker.vllm_config.model_config)
+    if loaded is not None:  # models that report what they loaded (all of vLLM's built-in ones)
+        missing = sorted(expected - set(loaded))
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise IncompleteRefitError(
+                f"the refit brought {tracked.count} weights but none for {len(missing)} of the model's "
+                f"{len(expected)} parameters: {shown}"
+            )
+    return tracked.count, tracked.nbytes
+
+
+def _finalize_after_failure(model: torch.nn.Module, model_config: Any) -> str:
+    """Close vLLM's layerwise state after a failed load; "" or what went wrong doing so (the
+    failed load stays the error to report, this is said beside it)."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    try:
+        finalize_layerwise_reload(model, model_config)
+    except Exception as exc:  # noqa: BLE001 - reported beside the load's own error
+        return f"closing vLLM's layerwise reload failed too ({type(exc).__name__}: {exc}): restart the engine"
+    return ""

@@ -1,0 +1,148 @@
+"""``VllmRollout``: the driver's side of refits into one running vLLM engine (``vllm.LLM``).
+
+It calls the worker extension (:mod:`ckpt_vllm.extension`) on every rank through
+``LLM.collective_rpc``, turns their replies into values or one
+:class:`~ckpt_core.orchestration.coordinator.RefitFailedError` naming every failed rank,
+commits a refit's version only when every rank loaded all of it, resets vLLM's prefix cache
+before that, and refuses to generate from weights that are not current (``allow_stale=True``
+overrides: the caller decides).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckpt_core.errors import InvalidArgumentError, LifecycleError
+from ckpt_core.orchestration.coordinator import CallResult, RefitFailedError
+from ckpt_vllm.errors import StaleWeightsError
+
+WORKER_EXTENSION = "ckpt_vllm.extension.CkptEngineWorkerExtension"
+"""What to pass as ``worker_extension_cls`` when building the ``LLM``."""
+
+
+class VllmRollout:
+    """Refits of one vLLM engine whose workers carry :data:`WORKER_EXTENSION`.
+
+    ``rank_offset`` is the rollout rank of this engine's rank 0 among all rollout workers of
+    the refit (several engines, data-parallel replicas, each take a range). ``rpc_timeout_s``
+    bounds each call to the workers; it must exceed the engine's own ``timeout_s`` so that a
+    lost peer surfaces as the engine's typed error rather than as an RPC time-out.
+    """
+
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        backend: str,
+        bucket_size_bytes: int,
+        engine_kwargs: dict[str, Any] | None = None,
+        rank_offset: int = 0,
+        verify: bool = False,
+        rpc_timeout_s: float = 900.0,
+    ) -> None:
+        if rpc_timeout_s <= 0:
+            raise InvalidArgumentError(f"rpc_timeout_s must be positive, got {rpc_timeout_s!r}")
+        self.llm = llm
+        self.rpc_timeout_s = rpc_timeout_s
+        self.rank_offset = rank_offset
+        self.weight_version = 0
+        self._current = True
+        created = self._call(
+            "create",
+            backend=backend,
+            bucket_size_bytes=bucket_size_bytes,
+            engine_kwargs=dict(engine_kwargs or {}),
+            rank_offset=rank_offset,
+            verify=verify,
+        )
+        self.world_size = len(created)
+
+    # -- calls to every rank -----------------------------------------------------------------
+    def replies(self, method: str, *, timeout_s: float | None = None, **kwargs: Any) -> list[CallResult]:
+        """``ckpt_engine_<method>(**kwargs)`` on every rank: one result per rank, in rank order.
+        ``timeout_s`` (default ``rpc_timeout_s``) bounds the call; vLLM raises ``TimeoutError``
+        past it."""
+        timeout = self.rpc_timeout_s if timeout_s is None else timeout_s
+        raw = self.llm.collective_rpc(f"ckpt_engine_{method}", timeout=timeout, kwargs=kwargs)
+        return [CallResult.from_reply(self.label(rank), reply) for rank, reply in enumerate(raw)]
+
+    def label(self, rank: int) -> str:
+        """How errors name this engine's worker ``rank``."""
+        return f"vLLM rank {rank} (rollout rank {self.rank_offset + rank})"
+
+    def _call(self, method: str, **kwargs: Any) -> list[Any]:
+        results = self.replies(method, **kwargs)
+        failures = [r for r in results if not r.ok]
+        if failures:
+            raise RefitFailedError(f"ckpt_engine_{method}", failures)
+        return [r.value for r in results]
+
+    # -- the lifecycle -----------------------------------------------------------------------
+    def prepare(self) -> list[Any]:
+        """Every rank's ``prepare()`` metadata, in rank order: the rollout entries to append
+        after the policy entries."""
+        return self._call("prepare")
+
+    def init(self, *, train_world_size: int, rollout_world_size: int, metadata: list[Any]) -> None:
+        """Connect every rank (run it while the policy ranks run ``init_policy_process_group``)."""
+        self._call("init", train_world_size=train_world_size, rollout_world_size=rollout_world_size, metadata=metadata)
+
+    def refit(self, *, refit_index: int = 0) -> list[dict[str, Any]]:
+        """Receive one refit on every rank (run it while the policy ranks send); returns each
+        rank's report. Only when every rank loaded all of it is vLLM's prefix cache reset and
+        the new version committed; otherwise the engine stays not current and this raises
+        ``RefitFailedError`` naming each failed rank (then :meth:`reset`, set up again, refit)."""
+        reports = self.receive(refit_index=refit_index)
+        self.commit()
+        return reports
+
+    def receive(self, *, refit_index: int = 0) -> list[dict[str, Any]]:
+        """The first half of :meth:`refit`: receive and load on every rank, commit nothing."""
+        self.mark_not_current()
+        return self._call("refit", refit_index=refit_index)
+
+    def mark_not_current(self) -> None:
+        """From now until the next commit, :meth:`generate` refuses (a refit is starting)."""
+        self._current = False
+
+    def commit(self, *, weight_version: int | None = None) -> None:
+        """Reset vLLM's prefix cache (its cached keys and values came from the old weights),
+        then mark the loaded refit current on every rank as ``weight_version`` (default: one
+        more than the last). :meth:`refit` calls it; a coordinator calls it after checking
+        digests. Refused on a rank that did not load the whole refit."""
+        version = self.weight_version + 1 if weight_version is None else weight_version
+        if not self.llm.reset_prefix_cache():
+            raise LifecycleError(
+                "vLLM refused to reset its prefix cache (requests are still running); the new weights "
+                "are loaded but not committed: finish or abort the requests, then call commit() again"
+            )
+        self._call("commit", weight_version=version)
+        self.weight_version = version
+        self._current = True
+
+    def reset(self) -> None:
+        """A fresh engine on every rank after a failure (then ``prepare``/``init`` again)."""
+        self._call("reset")
+
+    def finalize(self) -> None:
+        self._call("finalize")
+
+    def status(self) -> list[dict[str, Any]]:
+        """Each rank's ``{"rank", "weight_version", "current", "last_error"}``."""
+        return self._call("status")
+
+    # -- generation --------------------------------------------------------------------------
+    @property
+    def is_current(self) -> bool:
+        """True when the weights are the last committed version on every rank."""
+        return self._current
+
+    def generate(self, *args: Any, allow_stale: bool = False, **kwargs: Any) -> Any:
+        """``llm.generate(*args, **kwargs)``, refused with :class:`StaleWeightsError` while the
+        weights are not current (a refit failed or is running), unless ``allow_stale``."""
+        if not self._current and not allow_stale:
+            raise StaleWeightsError(
+                f"the engine's weights are not current (last committed version {self.weight_version}; a refit "
+                "since then failed or did not finish): refit again, or pass allow_stale=True"
+            )
+        return self.llm.generate(*args, **kwargs)
