@@ -9,6 +9,6 @@ PYTHON=${PYTHON:-python3}
 MYPYPATH=tests "$PYTHON" -m mypy --exclude '^tests/(automodel|reliability|nemo_rl)/' tests
 for folder in tests/automodel tests/reliability tests/nemo_rl \
     plugins/gloo_cpu/tests plugins/nccl/tests plugins/cuda_ipc/tests examples/tcp_transport/tests \
-    plugins/_template/tests; do
+    plugins/_template/tests integrations/vllm/tests; do
     MYPYPATH="$folder:tests" "$PYTHON" -m mypy "$folder"
 done

@@ -83,3 +83,38 @@ def test_nothing_in_the_library_imports_the_seed_module() -> None:
         if m == "ckpt_core.base" and not f.endswith("ckpt_core/__init__.py")
     ]
     assert not users, users
+
+
+INTEGRATION_SOURCES = [REPO / "integrations" / "vllm" / "ckpt_vllm"]
+# What an integration may import from the core: the consumer's contract, the registry,
+# errors, statistics and the orchestration layer; never the internals or a transport's stack.
+INTEGRATION_API = (
+    "ckpt_core.contract",
+    "ckpt_core.registry",
+    "ckpt_core.errors",
+    "ckpt_core.stats",
+    "ckpt_core.orchestration",
+)
+
+
+@pytest.mark.parametrize("folder", INTEGRATION_SOURCES, ids=lambda p: p.parent.name)
+def test_integrations_use_only_the_consumer_side_of_the_core(folder: Path) -> None:
+    crossing = [(f, m) for f, m in _core_imports(folder) if not _within(m, INTEGRATION_API)]
+    assert not crossing, f"integrations import the consumer API, not internals or transports: {crossing}"
+    transports = [
+        (str(p.relative_to(REPO)), m)
+        for p in sorted(folder.rglob("*.py"))
+        for m in imported_modules(p)
+        if _within(m, ("ckpt_gloo_cpu", "ckpt_nccl", "ckpt_cuda_ipc"))
+    ]
+    assert not transports, f"an integration reaches transports only by name, through the registry: {transports}"
+
+
+def test_the_core_never_imports_an_integration() -> None:
+    users = [
+        (str(p.relative_to(REPO)), m)
+        for p in sorted((REPO / "ckpt_core").rglob("*.py"))
+        for m in imported_modules(p)
+        if _within(m, ("ckpt_vllm",))
+    ]
+    assert not users, users

