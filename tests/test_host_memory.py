@@ -155,3 +155,42 @@ def test_host_address_only_for_buffers_a_memmove_may_fill() -> None:
     assert host_address(buffer[::2], 8) is None  # not contiguous
     assert host_address(buffer.view(torch.int32), 4) is None  # not bytes
     assert host_address(buffer.view(8, 8), 8) is None  # not 1-D
+
+
+def test_the_public_pool_limit_evicts_at_once_and_zero_keeps_nothing() -> None:
+    from ckpt_core.errors import InvalidArgumentError
+    from ckpt_core.memory import limit_host_pool, pooled_host_bytes, release_host_memory
+
+    release_host_memory()
+    before = host_memory._POOL.limit
+    try:
+        del_me = [empty_host(torch.Size([2 << 20]), torch.uint8) for _ in range(3)]
+        del del_me
+        assert pooled_host_bytes() >= 3 * (2 << 20)
+        limit_host_pool(2 << 20)  # shrinking evicts the oldest blocks now
+        assert pooled_host_bytes() <= 2 << 20
+        limit_host_pool(0)
+        assert pooled_host_bytes() == 0
+        freed = empty_host(torch.Size([2 << 20]), torch.uint8)
+        del freed
+        assert pooled_host_bytes() == 0  # no pool: freed memory goes straight back
+        for bad in (-1, 1.5, True, "1"):
+            with pytest.raises(InvalidArgumentError, match="number of bytes"):
+                limit_host_pool(bad)  # type: ignore[arg-type]
+    finally:
+        limit_host_pool(before)
+    assert release_host_memory() == 0
+
+
+def test_host_bucket_buffers_are_resident_from_the_start() -> None:
+    """Touched at allocation: a worker's RSS shows them before its first refit."""
+    from ckpt_core.transport.interfaces import bucket_buffers
+
+    def rss() -> int:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) << 10 for line in status if line.startswith("VmRSS:"))
+
+    before = rss()
+    buffers = bucket_buffers(2, 32 << 20, torch.device("cpu"))
+    assert rss() - before >= 60 << 20, "the buffers' pages are not resident yet"
+    assert all(b.numel() == 32 << 20 and b.dtype == torch.uint8 for b in buffers)

@@ -95,8 +95,25 @@ class _Pool:
             self._age.clear()
             self.pooled_bytes = 0
 
+    def set_limit(self, limit: int) -> None:
+        """Keep at most ``limit`` bytes from now on, evicting the oldest blocks over it."""
+        with self._lock:
+            self.limit = limit
+            while self.pooled_bytes > limit:
+                old_size, old = self._age.popitem(last=False)[1]
+                self._free[old_size].remove(old)
+                self.pooled_bytes -= old_size
+
 
 _POOL = _Pool(_pool_limit())
+
+
+def set_host_pool_limit(limit: int) -> None:
+    """Change this process's pool limit (``CKPT_CORE_HOST_POOL_BYTES`` at start); 0 turns it off."""
+    if limit < 0:
+        raise ValueError(f"a host pool limit is a number of bytes >= 0, got {limit}")
+    _POOL.set_limit(limit)
+
 
 STORAGE_POOL_BYTES = 64 << 20
 """Limit of the pool behind :func:`empty_host_storage`, kept apart from the tensors' pool so

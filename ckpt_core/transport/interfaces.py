@@ -30,8 +30,14 @@ from ckpt_core.errors import OutOfMemoryError
 
 def bucket_buffers(count: int, bucket_size: int, device: torch.device) -> list[torch.Tensor]:
     """``count`` 1-D ``uint8`` buffers of ``bucket_size`` bytes on ``device``, allocated now;
-    ``OutOfMemoryError`` (naming the option to lower) when they do not fit."""
+    ``OutOfMemoryError`` (naming the option to lower) when they do not fit.
+
+    Host buffers are touched here (zeroed), so their memory is resident from the start: a
+    worker's RSS then shows what it holds between refits, and the first refit pays no page
+    faults on them."""
     try:
+        if device.type == "cpu":
+            return [torch.zeros(bucket_size, dtype=torch.uint8) for _ in range(count)]
         return [torch.empty(bucket_size, dtype=torch.uint8, device=device) for _ in range(count)]
     except (RuntimeError, MemoryError) as exc:  # torch's allocators raise RuntimeError subclasses
         raise OutOfMemoryError(
