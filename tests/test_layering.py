@@ -87,12 +87,14 @@ def test_nothing_in_the_library_imports_the_seed_module() -> None:
 
 INTEGRATION_SOURCES = [REPO / "integrations" / "vllm" / "ckpt_vllm"]
 # What an integration may import from the core: the consumer's contract, the registry,
-# errors, statistics and the orchestration layer; never the internals or a transport's stack.
+# errors, statistics, host memory release and the orchestration layer; never the internals or
+# a transport's stack.
 INTEGRATION_API = (
     "ckpt_core.contract",
     "ckpt_core.registry",
     "ckpt_core.errors",
     "ckpt_core.stats",
+    "ckpt_core.memory",
     "ckpt_core.orchestration",
 )
 

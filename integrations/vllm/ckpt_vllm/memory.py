@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 
 def _status_kib(field: str) -> int | None:
     try:
@@ -33,3 +35,43 @@ def peak_rss_bytes() -> int | None:
     """Peak RSS since the process started or since the last :func:`reset_peak_rss`."""
     kib = _status_kib("VmHWM")
     return None if kib is None else kib * 1024
+
+
+def release_free_heap() -> bool:
+    """Hand freed heap memory back to the kernel (glibc's ``malloc_trim``); False elsewhere.
+
+    A refit allocates and frees a model's worth of tensors (vLLM's layerwise reload
+    materializes each layer anew); glibc keeps freed chunks mapped, so without this the
+    worker's RSS climbs for several refits before it levels off (measured: about 290 MiB over
+    its resident model for a 124 MB model)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.malloc_trim(0))
+
+
+GROWTH_ALLOWANCE_BYTES = 64 << 20
+"""What a refit may grow a worker's RSS by beyond its two buckets before :class:`HeapGuard` trims."""
+
+
+class HeapGuard:
+    """Keeps a refit's RSS growth near ``budget_bytes`` over the RSS it started from.
+
+    vLLM's reload materializes each layer anew and frees it; glibc keeps much of that freed
+    memory mapped, so over a refit the heap grows by a few layers' worth. ``check()``, called
+    between batches, hands the free part back (``malloc_trim``) only once the growth passes the
+    budget: trimming costs page faults when the memory is used again, so a refit that stays
+    within its budget pays nothing.
+    """
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.start = rss_bytes()
+        self.trims = 0
+
+    def check(self) -> None:
+        now = rss_bytes()
+        if self.start is not None and now is not None and now - self.start > self.budget_bytes:
+            if release_free_heap():
+                self.trims += 1
