@@ -44,7 +44,15 @@ from .units import format_size, parse_size, parse_sizes
 from .weights import Payload, small_payload, write_payload
 
 RESULTS = Path(__file__).resolve().parent / "results"
-BUCKET_METHODS = ("gloo_paired", "gloo_paired_checksum", "gloo_broadcast", "ipc_1to1", "ipc_1to2", "raw_paired_pieces")
+BUCKET_METHODS = (
+    "gloo_paired",
+    "gloo_paired_checksum",
+    "gloo_broadcast",
+    "ipc_1to1",
+    "ipc_1to1_borrowed",
+    "ipc_1to2",
+    "raw_paired_pieces",
+)
 BASELINE_METHODS = (
     "raw_paired",
     "raw_broadcast",
@@ -166,6 +174,16 @@ def _bucket_methods(bucket: int, selected: Sequence[str], timeout_s: float) -> l
             num_rollout=1,
             bucket_size=bucket,
             engine_kwargs={"device": "cpu"},
+            topology="broadcast",
+            timeout_s=timeout_s,
+        ),
+        "ipc_1to1_borrowed": RefitMethod(
+            key="ipc_1to1_borrowed",
+            label="cuda_ipc device=cpu, borrow_received_tensors",
+            backend="cuda_ipc",
+            num_rollout=1,
+            bucket_size=bucket,
+            engine_kwargs={"device": "cpu", "borrow_received_tensors": True},
             topology="broadcast",
             timeout_s=timeout_s,
         ),

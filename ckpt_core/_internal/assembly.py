@@ -38,15 +38,40 @@ class Landing:
     output tensor, or ``None`` for a small tensor carried whole by this chunk (it is cloned
     from the chunk, one allocation and copy instead of two steps)."""
 
-    __slots__ = ("meta", "target", "_output", "_device")
+    __slots__ = ("meta", "target", "borrowed", "_output", "_device")
 
     def __init__(
-        self, meta: TensorMeta, target: torch.Tensor | None, output: torch.Tensor | None, device: torch.device | None
+        self,
+        meta: TensorMeta,
+        target: torch.Tensor | None,
+        output: torch.Tensor | None,
+        device: torch.device | None,
+        *,
+        borrowed: bool = False,
     ) -> None:
         self.meta = meta
         self.target = target
+        self.borrowed = borrowed
+        """A whole tensor to hand out as a view of the bucket (:meth:`borrow_from`)."""
         self._output = output  # set when this chunk completes an allocated tensor
         self._device = device
+
+    def borrow_from(self, buffer: torch.Tensor, offset: int) -> torch.Tensor:
+        """The whole tensor as a view of ``buffer``'s bytes ``[offset, offset + chunk_size)``:
+        no copy, valid as long as those bytes are (the sender packs each chunk at an offset
+        aligned to its dtype)."""
+        meta = self.meta
+        end = offset + meta.chunk_size
+        if end > buffer.numel():
+            raise ChunkStreamError(
+                f"tensor {meta.name!r}: chunk [{offset}, {end}) lies outside the {buffer.numel()}-byte buffer"
+            )
+        if offset % meta.dtype.itemsize:
+            raise ChunkStreamError(
+                f"tensor {meta.name!r}: a {dtype_name(meta.dtype)} chunk at byte {offset} is not aligned to its "
+                f"{meta.dtype.itemsize}-byte elements; the sender does not pack as this library does"
+            )
+        return buffer[offset:end].view(meta.dtype).reshape(meta.shape)
 
     def fill(self, chunk: torch.Tensor) -> torch.Tensor | None:
         """Copy ``chunk`` (1-D ``uint8``, ``meta.chunk_size`` bytes) into place; returns the
@@ -202,9 +227,13 @@ class ChunkAssembler:
     def device(self) -> torch.device | None:
         return self._device
 
-    def plan(self, meta: TensorMeta, chunk_device: torch.device, *, in_place: bool = False) -> Landing:
+    def plan(
+        self, meta: TensorMeta, chunk_device: torch.device, *, in_place: bool = False, borrow: bool = False
+    ) -> Landing:
         """Place the next chunk of the stream. ``in_place``: the caller will receive the bytes
-        into ``Landing.target`` itself, so the chunk always gets a target.
+        into ``Landing.target`` itself, so the chunk always gets a target. ``borrow``: a chunk
+        carrying a whole tensor that stays on ``chunk_device`` gets a borrowed landing (no
+        allocation: the caller hands out a view of the chunk).
 
         Raises ``ChunkStreamError`` for a chunk that disagrees with the tensor being assembled
         (name, shape or dtype), leaves a gap, overlaps, or runs past the tensor's end.
@@ -219,6 +248,8 @@ class ChunkAssembler:
             nbytes = meta.nbytes
             whole = meta.chunk_size == nbytes
             device = chunk_device if self._device is None or (whole and self._split_only) else self._device
+            if borrow and whole and not in_place and device == chunk_device:
+                return Landing(meta, None, None, None, borrowed=True)
             if not in_place and whole and nbytes < POOLED_MIN_BYTES:
                 move_to = None if device == chunk_device else device
                 return Landing(meta, None, None, move_to)

@@ -275,6 +275,7 @@ async def receive_refit(
     checksum: Checksum | None = payload_checksum,
     merge_device: torch.device | str | None = None,
     stats: RefitStats | None = None,
+    borrow: bool = False,
 ) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
     """Yield the ``(name, tensor)`` batches of one refit, one batch per bucket that completes
     tensors, in the sender's order. Tensors own their memory (never a transport's buffer;
@@ -282,12 +283,14 @@ async def receive_refit(
     :class:`~ckpt_core._internal.assembly.SmallTensorLander`) and live on ``merge_device`` (or the
     receiver's buffers' device). ``checksum`` (the sender's function) verifies every
     bucket whose header carries a digest, before any tensor it completes is yielded; ``None``
-    skips verification. ``stats`` (if given) is filled in as the refit runs."""
+    skips verification. ``stats`` (if given) is filled in as the refit runs. ``borrow``:
+    tensors carried whole by one bucket are views of the receiver's buffer, valid until the
+    caller asks for the next batch (the buffer's slot is released to the transport only then)."""
     refit = _Refit(bucket_size, context, notifier, stats if stats is not None else RefitStats(), timeout_s, checksum)
     start = time.perf_counter()
     notifier.started(context)
     device = torch.device(merge_device) if merge_device is not None else None
-    buckets = _BucketStream(receiver, refit, ChunkAssembler(device))
+    buckets = _BucketStream(receiver, refit, ChunkAssembler(device), borrow=borrow)
     try:
         async for batch in buckets.tensor_batches():
             refit.stats.tensors += len(batch)
@@ -314,11 +317,19 @@ class _PlannedBucket:
 class _BucketStream:
     """Turns a receiver's headers and payloads into verified tensor batches, one per bucket."""
 
-    def __init__(self, receiver: BucketReceiver, refit: _Refit, assembler: ChunkAssembler) -> None:
+    def __init__(self, receiver: BucketReceiver, refit: _Refit, assembler: ChunkAssembler, *, borrow: bool) -> None:
         self.receiver = receiver
         self.refit = refit
         self.stats = refit.stats
         self.assembler = assembler
+        self.borrow = borrow
+        self._lent_slot: int | None = None  # a slot whose bytes the last batch's views show
+
+    def _take_back(self) -> None:
+        """The caller asked for the next batch (or stopped): a lent slot may be refilled."""
+        if self._lent_slot is not None:
+            slot, self._lent_slot = self._lent_slot, None
+            self.receiver.release(slot)
 
     async def tensor_batches(self) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
         eager = self.receiver.payload_ready_with_header
@@ -343,6 +354,7 @@ class _BucketStream:
                 if batch:
                     await self._hand_out()
                     yield batch
+                self._take_back()
             with _timed(self.stats, "transfer_seconds"):
                 self.receiver.wait_payload(bucket.slot, self.refit.timeout_s)
             if eager:
@@ -350,6 +362,7 @@ class _BucketStream:
                 if batch:
                     await self._hand_out()
                     yield batch
+                self._take_back()
             else:
                 previous = bucket
             bucket_index += 1
@@ -360,6 +373,7 @@ class _BucketStream:
         if batch:
             await self._hand_out()
             yield batch
+        self._take_back()
 
     def _next_header(self, bucket_index: int) -> BucketHeader:
         refit = self.refit
@@ -401,7 +415,7 @@ class _BucketStream:
                 else:
                     received.append(torch.empty(meta.chunk_size, dtype=torch.uint8, device=device))
             else:
-                landing = self.assembler.plan(meta, device)
+                landing = self.assembler.plan(meta, device, borrow=self.borrow)
                 received.append(None)
             landings.append(landing)
         self.stats.unpack_seconds += time.perf_counter() - start
@@ -430,6 +444,11 @@ class _BucketStream:
         for landing, received in zip(bucket.landings, bucket.received):
             meta = landing.meta
             offset = meta.offset
+            if landing.borrowed:
+                assert offset is not None
+                done += small.flush()
+                done.append((meta.name, landing.borrow_from(payload, offset)))
+                continue
             if received is None and offset is not None and small.add(landing, offset):
                 continue
             done += small.flush()  # landed before this chunk's tensor: keeps the stream's order
@@ -443,7 +462,10 @@ class _BucketStream:
             if tensor is not None:
                 done.append((meta.name, tensor))
         done += small.flush()
-        self.receiver.release(bucket.slot)
+        if self.borrow and any(landing.borrowed for landing in bucket.landings):
+            self._lent_slot = bucket.slot  # released when the caller asks for the next batch
+        else:
+            self.receiver.release(bucket.slot)
         self.stats.unpack_seconds += time.perf_counter() - start
         self.stats.payload_bytes += sum(m.chunk_size for m in header.chunks)
         self.stats.buckets += 1

@@ -118,8 +118,9 @@ class RefitWorker:
             # Digests of the source, computed after the send so they are not in its timing.
             result_digests = digests(factory(params, refit_index=refit_index, rank=self.rank)) if self.verify else {}
             count = source.count
-        elif self.load_weights is not None:
-            loaded = asyncio.run(self._receive_into(self.load_weights))
+        elif self.load_weights is not None or getattr(self.engine, "borrow_received_tensors", False):
+            # Borrowed tensors are valid only until the next batch: digest them on arrival.
+            loaded = asyncio.run(self._receive_into(self.load_weights or _drop))
             wall = time.perf_counter() - start
             result_digests = loaded if self.verify else {}
             count = len(loaded)
@@ -173,6 +174,10 @@ class RefitWorker:
             self.engine.finalize()
         finally:
             self.engine = self._new_engine()
+
+
+def _drop(batch: list[tuple[str, torch.Tensor]]) -> None:
+    """A loader that keeps nothing (a rollout worker that only digests what it receives)."""
 
 
 class _Counted:

@@ -190,6 +190,7 @@ class MemoryEngine(BucketedEngine):
         direct_chunks: bool = False,
         release_after_refit: bool = False,
         shard_expert_weights: bool = False,
+        borrow_received_tensors: bool = False,
     ) -> None:
         super().__init__(
             bucket_size=bucket_size,
@@ -197,6 +198,7 @@ class MemoryEngine(BucketedEngine):
             checksum=checksum,
             release_after_refit=release_after_refit,
             shard_expert_weights=shard_expert_weights,
+            borrow_received_tensors=borrow_received_tensors,
         )
         self.direct_chunks = direct_chunks
         self.link: MemoryLink | None = None

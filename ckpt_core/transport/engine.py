@@ -93,6 +93,16 @@ class BucketedEngine(CheckpointEngine):
       that destination keeps. On a rollout worker the engine only carries the flag: the
       worker's loader reads it.
 
+    And one of this library's, for rollout workers:
+
+    * ``borrow_received_tensors`` (default off): a tensor that arrived whole inside one bucket
+      is handed out as a view of the transport's bucket buffer instead of a copy (tensors that
+      spanned buckets, arrived as direct chunks, or move to ``merge_device`` stay copies). A
+      borrowed tensor, and every view made from it, is valid only until the caller asks for
+      the next batch (or the generator is closed): the buffer is then refilled with later
+      bytes, which the tensor will show. For a loader that copies each batch into its model at
+      once and keeps nothing; anything kept must be ``clone()``d first.
+
     What a subclass provides (the rest is this class's and the pipeline's):
 
     * ``backend_name``: its entry-point name, required of every concrete subclass;
@@ -128,6 +138,7 @@ class BucketedEngine(CheckpointEngine):
         checksum: bool = True,
         release_after_refit: bool = False,
         shard_expert_weights: bool = False,
+        borrow_received_tensors: bool = False,
     ) -> None:
         owner = type(self).__name__
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
@@ -137,6 +148,7 @@ class BucketedEngine(CheckpointEngine):
         self.checksum = check_bool(owner, "checksum", checksum)
         self.release_after_refit = check_bool(owner, "release_after_refit", release_after_refit)
         self.shard_expert_weights = check_bool(owner, "shard_expert_weights", shard_expert_weights)
+        self.borrow_received_tensors = check_bool(owner, "borrow_received_tensors", borrow_received_tensors)
         self._target_layout: dict[str, Any] | None = None
         self._state = _State.NEW
         self._engine_id = ""
@@ -370,6 +382,7 @@ class BucketedEngine(CheckpointEngine):
                     checksum=self._payload_checksum(),
                     merge_device=self._merge_device(),
                     stats=stats,
+                    borrow=self.borrow_received_tensors,
                 ):
                     yield batch
                 completed = True

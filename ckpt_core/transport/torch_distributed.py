@@ -264,6 +264,7 @@ class DistributedEngine(BucketedEngine):
         auth_token: str | None = None,
         release_after_refit: bool = False,
         shard_expert_weights: bool = False,
+        borrow_received_tensors: bool = False,
     ) -> None:
         super().__init__(
             bucket_size=bucket_size,
@@ -271,6 +272,7 @@ class DistributedEngine(BucketedEngine):
             checksum=checksum,
             release_after_refit=release_after_refit,
             shard_expert_weights=shard_expert_weights,
+            borrow_received_tensors=borrow_received_tensors,
         )
         owner = type(self).__name__
         if auth_token is not None and (not isinstance(auth_token, str) or not auth_token):

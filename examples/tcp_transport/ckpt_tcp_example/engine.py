@@ -128,6 +128,7 @@ class TcpExampleEngine(BucketedEngine):
         checksum: bool = True,
         release_after_refit: bool = False,
         shard_expert_weights: bool = False,
+        borrow_received_tensors: bool = False,
     ) -> None:
         super().__init__(
             bucket_size=bucket_size,
@@ -135,6 +136,7 @@ class TcpExampleEngine(BucketedEngine):
             checksum=checksum,
             release_after_refit=release_after_refit,
             shard_expert_weights=shard_expert_weights,
+            borrow_received_tensors=borrow_received_tensors,
         )
         if not isinstance(host, str) or not host:
             raise EngineOptionError(f"TcpExampleEngine: host must be a non-empty address string, got {host!r}")

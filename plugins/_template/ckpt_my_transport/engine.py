@@ -94,6 +94,7 @@ class MyTransportEngine(BucketedEngine):
         checksum: bool = True,
         release_after_refit: bool = False,
         shard_expert_weights: bool = False,
+        borrow_received_tensors: bool = False,
     ) -> None:
         super().__init__(
             bucket_size=bucket_size,
@@ -101,6 +102,7 @@ class MyTransportEngine(BucketedEngine):
             checksum=checksum,
             release_after_refit=release_after_refit,
             shard_expert_weights=shard_expert_weights,
+            borrow_received_tensors=borrow_received_tensors,
         )
 
     def _prepare_transport(self) -> dict[str, Any]:

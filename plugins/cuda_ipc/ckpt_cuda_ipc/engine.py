@@ -138,6 +138,7 @@ class CudaIpcCheckpointEngine(BucketedEngine):
         socket_dir: str | None = None,
         release_after_refit: bool = False,
         shard_expert_weights: bool = False,
+        borrow_received_tensors: bool = False,
     ) -> None:
         owner = type(self).__name__
         reason = self.unavailable_reason()
@@ -152,6 +153,7 @@ class CudaIpcCheckpointEngine(BucketedEngine):
             checksum=checksum,
             release_after_refit=release_after_refit,
             shard_expert_weights=shard_expert_weights,
+            borrow_received_tensors=borrow_received_tensors,
         )
         if socket_dir is None:
             socket_dir = tempfile.gettempdir()

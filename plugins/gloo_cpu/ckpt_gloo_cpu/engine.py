@@ -41,6 +41,7 @@ class GlooCpuCheckpointEngine(DistributedEngine):
         auth_token: str | None = None,
         release_after_refit: bool = False,
         shard_expert_weights: bool = False,
+        borrow_received_tensors: bool = False,
     ) -> None:
         if not _is_host_device(device):
             raise EngineOptionError(
@@ -57,6 +58,7 @@ class GlooCpuCheckpointEngine(DistributedEngine):
             auth_token=auth_token,
             release_after_refit=release_after_refit,
             shard_expert_weights=shard_expert_weights,
+            borrow_received_tensors=borrow_received_tensors,
         )
 
     def _new_data_group(self, store: Any, rank: int, size: int) -> Any:

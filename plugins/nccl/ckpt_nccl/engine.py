@@ -70,6 +70,7 @@ class NcclCheckpointEngine(DistributedEngine):
         device: str = "cuda",
         release_after_refit: bool = False,
         shard_expert_weights: bool = False,
+        borrow_received_tensors: bool = False,
         auth_token: str | None = None,
     ) -> None:
         owner = type(self).__name__
@@ -101,6 +102,7 @@ class NcclCheckpointEngine(DistributedEngine):
             auth_token=auth_token,
             release_after_refit=options.release_after_refit,
             shard_expert_weights=options.shard_expert_weights,
+            borrow_received_tensors=borrow_received_tensors,
         )
         self._pack_stream: PackStream | None = None
 
