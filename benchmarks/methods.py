@@ -116,6 +116,10 @@ class Method(abc.ABC):
         if pool is not None:
             pool.close()
 
+    receiver_holds_payload = True
+    """Whether a receiving process keeps every tensor it got until the end (memory is then
+    measured over the payload); a borrowing receiver keeps none."""
+
     def describe(self) -> dict[str, Any]:
         return {
             "key": self.key,
@@ -123,6 +127,7 @@ class Method(abc.ABC):
             "kind": self.kind,
             "shape": self.shape,
             "bucket_size": self.bucket_size,
+            "receiver_holds_payload": self.receiver_holds_payload,
         }
 
 
@@ -150,6 +155,8 @@ class RefitMethod(Method):
         self.shape = f"1->{num_rollout}"
         self.bucket_size = bucket_size
         self.engine_kwargs = {"timeout_s": max(1.0, timeout_s - 30.0), **engine_kwargs}
+        # A borrowing rollout worker digests each batch as it arrives and keeps nothing.
+        self.receiver_holds_payload = not self.engine_kwargs.get("borrow_received_tensors", False)
         self.topology = topology
         self.coordinator: RefitCoordinator | None = None
         self._set_up = False

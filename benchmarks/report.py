@@ -30,7 +30,8 @@ _STAT_FIELDS = ("seconds", "pack_seconds", "transfer_seconds", "unpack_seconds",
 
 def _over(role: str, peak: int, base: int, payload: int) -> int:
     """Peak memory above what the process must hold: its weights (sender, and a local copy's
-    source), or what it yields (receiver). A local copy's destination buffer counts as over."""
+    source), or what it yields (a receiver that keeps it; ``payload`` is 0 for one that does
+    not). A local copy's destination buffer counts as over."""
     return peak - base - payload
 
 
@@ -81,7 +82,8 @@ def _memory(record: CaseRecord) -> dict[str, Any]:
                 },
             )
             entry["rss_peak_bytes"] = max(entry["rss_peak_bytes"], w.rss_peak_bytes)
-            over = _over(w.role, w.rss_peak_bytes, w.rss_base_bytes, payload)
+            held = payload if w.role != "receiver" or record.method.get("receiver_holds_payload", True) else 0
+            over = _over(w.role, w.rss_peak_bytes, w.rss_base_bytes, held)
             entry["over_bytes"] = over if entry["over_bytes"] is None else max(entry["over_bytes"], over)
     by_role: dict[str, int | None] = {"sender": None, "receiver": None}
     for entry in workers.values():
