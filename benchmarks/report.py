@@ -266,8 +266,11 @@ def _mib(nbytes: int | None) -> float | None:
     return None if nbytes is None else nbytes / MiB
 
 
-def per_tensor_summary(cases: list[dict[str, Any]]) -> dict[str, Any] | None:
-    refit = next((c for c in cases if c["group"] == PER_TENSOR_GROUP and c["kind"] == "refit"), None)
+def per_tensor_summary(cases: list[dict[str, Any]], floor_seconds: float | None = None) -> dict[str, Any] | None:
+    """The per-tensor case: the default refit, the borrowing one, raw Gloo, and the view
+    floor (:mod:`benchmarks.per_tensor_floor`), with each refit's ratio to that floor."""
+    refit = next((c for c in cases if c["group"] == PER_TENSOR_GROUP and c["key"] == "gloo_paired"), None)
+    borrowed = next((c for c in cases if c["group"] == PER_TENSOR_GROUP and c["key"] == "gloo_paired_borrowed"), None)
     raw = next((c for c in cases if c["group"] == PER_TENSOR_GROUP and c["key"] == "raw_paired"), None)
     if refit is None:
         return None
@@ -276,14 +279,25 @@ def per_tensor_summary(cases: list[dict[str, Any]]) -> dict[str, Any] | None:
     def us(case: dict[str, Any] | None) -> float | None:
         return case["median_seconds"] / count * 1e6 if case and case["median_seconds"] else None
 
+    def over_floor(case: dict[str, Any] | None) -> float | None:
+        if case is None or not case["median_seconds"] or not floor_seconds:
+            return None
+        return float(case["median_seconds"] / floor_seconds)
+
     return {
         "tensors": count,
         "tensor_bytes": refit["payload_bytes"] // count,
         "bucket_size": refit["bucket_size"],
         "refit_us_per_tensor": us(refit),
+        "borrowed_refit_us_per_tensor": us(borrowed),
         "raw_gloo_us_per_tensor": us(raw),
+        "floor_us_per_tensor": floor_seconds / count * 1e6 if floor_seconds else None,
+        "refit_over_floor": over_floor(refit),
+        "borrowed_refit_over_floor": over_floor(borrowed),
         "refit_seconds": refit["median_seconds"],
+        "borrowed_refit_seconds": borrowed["median_seconds"] if borrowed else None,
         "raw_gloo_seconds": raw["median_seconds"] if raw else None,
+        "floor_seconds": floor_seconds,
         "error": refit["error"] or (raw["error"] if raw else "raw floor not measured"),
     }
 
@@ -338,12 +352,17 @@ def render_markdown(doc: dict[str, Any]) -> str:
             f"{per_tensor['tensors']} tensors of {per_tensor['tensor_bytes']} B, gloo_cpu paired 1->1, "
             f"bucket {format_size(per_tensor['bucket_size'])}.",
             "",
-            "| | seconds | us per tensor |",
-            "| --- | --- | --- |",
+            "| | seconds | us per tensor | x floor |",
+            "| --- | --- | --- | --- |",
             f"| ckpt-engine refit | {_num(per_tensor['refit_seconds'], 3)} | "
-            f"{_num(per_tensor['refit_us_per_tensor'], 1)} |",
+            f"{_num(per_tensor['refit_us_per_tensor'], 1)} | {_x(per_tensor.get('refit_over_floor'))} |",
+            f"| ckpt-engine refit, borrow_received_tensors | {_num(per_tensor.get('borrowed_refit_seconds'), 3)} | "
+            f"{_num(per_tensor.get('borrowed_refit_us_per_tensor'), 1)} "
+            f"| {_x(per_tensor.get('borrowed_refit_over_floor'))} |",
             f"| raw Gloo send/recv, same bytes as one tensor | {_num(per_tensor['raw_gloo_seconds'], 3)} | "
-            f"{_num(per_tensor['raw_gloo_us_per_tensor'], 1)} |",
+            f"{_num(per_tensor['raw_gloo_us_per_tensor'], 1)} | |",
+            f"| floor: a uint8 view per tensor + cutting one buffer into the tensors | "
+            f"{_num(per_tensor.get('floor_seconds'), 3)} | {_num(per_tensor.get('floor_us_per_tensor'), 1)} | 1.00x |",
             "",
         ]
     errors = [c for c in cases if c["error"]]

@@ -31,6 +31,7 @@ import torch
 from .harness import CaseRecord, Phase, run_phase, stderr_log
 from .memory import reset_peak_rss
 from .methods import FloorMethod, MemcpyMethod, Method, NaiveMethod, RefitMethod
+from .per_tensor_floor import view_floor_seconds
 from .report import (
     PER_TENSOR_GROUP,
     SCHEMA,
@@ -296,6 +297,7 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
     environment = _environment()
     scratch = _scratch_dir()
     records: list[CaseRecord] = []
+    per_tensor_floor: float | None = None
     baselines: dict[str, Method] = {}
     payloads: list[Payload] = []
     try:
@@ -318,6 +320,21 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
         if config["per_tensor_count"]:
             small = small_payload(config["per_tensor_count"], config["per_tensor_bytes"])
             refit = _bucket_methods(PER_TENSOR_BUCKET, ["gloo_paired"], config["timeout_s"])
+            refit.append(
+                RefitMethod(
+                    key="gloo_paired_borrowed",
+                    label="gloo_cpu paired, borrow_received_tensors",
+                    backend="gloo_cpu",
+                    num_rollout=1,
+                    bucket_size=PER_TENSOR_BUCKET,
+                    engine_kwargs={"topology": "paired", "borrow_received_tensors": True},
+                    topology="paired",
+                    timeout_s=config["timeout_s"],
+                )
+            )
+            per_tensor_floor = view_floor_seconds(
+                config["per_tensor_count"], config["per_tensor_bytes"], max(3, config["reps"])
+            )
             floor = [
                 baselines.get("raw_paired")
                 or FloorMethod(
@@ -351,7 +368,7 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
         "payloads": [{k: v for k, v in p.to_dict().items() if k != "weights_params"} for p in payloads],
         "cases": cases,
         "targets": evaluate_targets(cases, largest),
-        "per_tensor": per_tensor_summary(cases),
+        "per_tensor": per_tensor_summary(cases, per_tensor_floor),
     }
 
 
