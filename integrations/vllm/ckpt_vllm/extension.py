@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ckpt_core.contract import CheckpointEngine
-from ckpt_core.errors import LifecycleError
+from ckpt_core.errors import InvalidArgumentError, LifecycleError
 from ckpt_core.memory import limit_host_pool
 from ckpt_core.orchestration.protocol import error_reply
 from ckpt_core.orchestration.workload import tensor_digest
@@ -121,6 +121,12 @@ class CkptEngineWorkerExtension:
         if previous is not None:
             raise LifecycleError("this vLLM worker has a checkpoint engine already: finalize it first")
         kwargs = dict(engine_kwargs or {})
+        if kwargs.get("borrow_received_tensors"):
+            raise InvalidArgumentError(
+                "borrow_received_tensors cannot be used with vLLM: its layerwise reload keeps each "
+                "layer's tensors until the whole layer arrived, past the next batch, when a borrowed "
+                "tensor's buffer is refilled; leave the option off (received tensors then own their memory)"
+            )
         limit_host_pool(host_pool_bytes)
         engine = create_checkpoint_engine(backend, bucket_size_bytes=bucket_size_bytes, engine_kwargs=dict(kwargs))
         self._ckpt_engine_state = _RankState(backend, bucket_size_bytes, kwargs, rank_offset, verify, engine)

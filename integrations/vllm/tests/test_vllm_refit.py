@@ -170,3 +170,15 @@ def test_a_bad_weight_is_a_clear_error_and_never_reported_current(
         assert greedy_tokens(rollout.generate) == reference_tokens[0]
     finally:
         rollout.finalize()
+
+
+def test_borrowed_receive_is_refused_with_the_reason(refitted_llm: Any) -> None:
+    """vLLM's layerwise reload holds a layer's tensors past the next batch: a borrowed tensor
+    would be overwritten there, so the adapter refuses the option on every rank."""
+    with pytest.raises(RefitFailedError, match="layerwise reload") as refused:
+        VllmRollout(
+            refitted_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET, engine_kwargs={"borrow_received_tensors": True}
+        )
+    assert {f.error_type for f in refused.value.failures} == {"InvalidArgumentError"}
+    # Nothing was left behind: a rollout can be created on the same engine right after.
+    VllmRollout(refitted_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET).finalize()
