@@ -91,8 +91,10 @@ class Method(abc.ABC):
         self.timeout_s = timeout_s
         self.pool: LocalProcessPool | None = None
 
-    def _start(self, specs: list[dict[str, Any]], labels: list[str]) -> LocalProcessPool:
-        self.pool = LocalProcessPool(specs, labels=labels, env=worker_env(), start_timeout_s=self.timeout_s)
+    def _start(
+        self, specs: list[dict[str, Any]], labels: list[str], env: dict[str, str] | None = None
+    ) -> LocalProcessPool:
+        self.pool = LocalProcessPool(specs, labels=labels, env=env or worker_env(), start_timeout_s=self.timeout_s)
         return self.pool
 
     def _call(self, step: str, calls: list[tuple[int, str, dict[str, Any]]]) -> list[Any]:
@@ -356,13 +358,18 @@ class ProduceMethod(Method):
     kind = "produce"
     shape = "local"
 
-    def __init__(self, *, key: str, label: str, timeout_s: float) -> None:
+    def __init__(self, *, key: str, label: str, timeout_s: float, threads: int | None = None) -> None:
         super().__init__(timeout_s=timeout_s)
         self.key, self.label = key, label
+        self.threads = threads
+        """torch's intra-op threads for producing (``None``: the pool's share, every core)."""
         self.layout: list[dict[str, Any]] = []
 
     def open(self) -> None:
-        self._start([{"service": "benchmarks.services:ProduceWorker"}], ["producer"])
+        env = worker_env()
+        if self.threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        self._start([{"service": "benchmarks.services:ProduceWorker"}], ["producer"], env)
 
     def sample(self, payload: Payload) -> Sample:
         (record,) = self._call(
