@@ -1,8 +1,10 @@
 """Host memory the library keeps between refits, for callers that want it back.
 
-Received tensors of 64 KiB and up live in mappings that, once freed, wait in a per-process pool
-for the next tensor of their size (see ``docs/benchmarks.md``): a refit then reuses memory that
-is already faulted in, at the price of keeping that memory resident between refits. A loader
+Received host tensors of 1 MiB and up live in mappings that, once freed, wait in a per-process
+pool for the next tensor of their size (see ``docs/benchmarks.md``): a refit then reuses memory
+that is already faulted in, at the price of keeping that memory resident between refits. (The
+shared storages behind small tensors have a pool of their own, at most 64 MiB, which
+:func:`limit_host_pool` leaves as it is and :func:`release_host_memory` empties too.) A loader
 that copies each batch into a model and lets it go (an inference engine's) can hand the pool
 back after each refit, or turn the pool off; ``finalize()`` of an engine built with
 ``release_after_refit=True`` also empties it.
@@ -27,8 +29,9 @@ def release_host_memory() -> int:
 
 
 def limit_host_pool(nbytes: int) -> None:
-    """Let the pool keep at most ``nbytes`` from now on (0: no pool, freed memory goes straight
-    back to the system); the process-wide default is ``CKPT_CORE_HOST_POOL_BYTES`` (1 GiB)."""
+    """Let the pool of large tensors keep at most ``nbytes`` from now on (0: none, their freed
+    memory goes straight back to the system); the process-wide default is
+    ``CKPT_CORE_HOST_POOL_BYTES`` (1 GiB)."""
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
         raise InvalidArgumentError(f"limit_host_pool() takes a number of bytes >= 0, got {nbytes!r}")
     set_host_pool_limit(nbytes)

@@ -190,6 +190,16 @@ class RefitCoordinator:
         for rank, result in enumerate(rollout):
             source = policy[self._source_rank(rank)]["digests"]
             got = result["digests"]
+            if source and not got:
+                failures.append(
+                    CallResult.failure(
+                        f"rollout rank {rank}",
+                        "VerificationError",
+                        "reported no digests: its worker does not take them (build it with verification on, "
+                        "e.g. VllmRollout(verify=True)), or make this coordinator with verify=False",
+                    )
+                )
+                continue
             if list(got.items()) != list(source.items()):  # order matters, not just contents
                 missing = [n for n in source if n not in got]
                 extra = [n for n in got if n not in source]

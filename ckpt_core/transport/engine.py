@@ -100,8 +100,10 @@ class BucketedEngine(CheckpointEngine):
       spanned buckets, arrived as direct chunks, or move to ``merge_device`` stay copies). A
       borrowed tensor, and every view made from it, is valid only until the caller asks for
       the next batch (or the generator is closed): the buffer is then refilled with later
-      bytes, which the tensor will show. For a loader that copies each batch into its model at
-      once and keeps nothing; anything kept must be ``clone()``d first.
+      bytes, which the tensor will show. Borrowed tensors are read-only: the buffer may be
+      mapped read-only (cuda_ipc's host slots: a write faults the process) or shared with other
+      rollouts of one broadcast (a write changes what they read). For a loader that copies each
+      batch into its model at once and keeps nothing; anything kept must be ``clone()``d first.
 
     What a subclass provides (the rest is this class's and the pipeline's):
 
@@ -363,8 +365,11 @@ class BucketedEngine(CheckpointEngine):
     async def receive_weight_batches(self) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
         """Yield one refit's ``(name, tensor)`` batches, in the sender's order. Tensors own
         their memory: no transport buffer is aliased, though small host tensors (64 KiB at
-        most) of one bucket may be views of one shared 1 MiB storage. Stopping early voids the
-        refit (the engine must be re-initialized)."""
+        most) of one bucket may be views of one shared 1 MiB storage; with
+        ``borrow_received_tensors``, whole tensors of a bucket are views of the transport's
+        buffer instead, valid until the next batch is asked for. Stopping early voids the refit
+        (the engine must be re-initialized; the transport, and with it any lent buffer, is
+        dropped then)."""
         self._require(_State.ROLLOUT, "receive_weight_batches()")
         assert self._receiver is not None
         with self._refit_slot("receive_weight_batches()"):

@@ -172,12 +172,17 @@ class CkptEngineWorkerExtension:
         rss_before = rss_bytes()
         digests: dict[str, str] = {}
         start = time.perf_counter()
+        stream = self._ckpt_engine_received(state, digests)
         try:
-            tensors, nbytes = load_streamed_weights(self, self._ckpt_engine_received(state, digests))
+            tensors, nbytes = load_streamed_weights(self, stream)
         except BaseException as exc:
             state.last_error = f"refit {refit_index}: {type(exc).__name__}: {exc}"
             try:
-                state.engine.finalize()
+                stream.close()  # end the engine's receive first (observers hear it failed)...
+            except Exception:  # noqa: BLE001 - the refit's error is the one to report
+                pass
+            try:
+                state.engine.finalize()  # ...then drop its connections: the peer sees them close
             except Exception:  # noqa: BLE001 - the refit's error is the one to report
                 pass
             raise

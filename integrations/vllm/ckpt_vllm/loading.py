@@ -67,8 +67,10 @@ def load_streamed_weights(worker: Any, weights: Iterable[tuple[str, torch.Tensor
     ``weights`` itself (a transport's ``TransferError``...) propagate unchanged; a weight vLLM
     refuses raises :class:`RolloutLoadError` naming it; a refit that leaves any parameter of the
     model without a weight raises :class:`IncompleteRefitError`. After any error the model's
-    layerwise state is finalized (the next refit starts clean), but its weights are a mix of
-    two versions: the caller must treat the engine as not current until a refit succeeds.
+    layerwise state is finalized (the next refit starts clean), but its weights are not a
+    model: a mix of two versions, and in modules vLLM had begun to rebuild, possibly memory
+    nothing was written to. The caller must treat the engine as not current until a refit
+    succeeds.
     """
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
@@ -80,11 +82,18 @@ def load_streamed_weights(worker: Any, weights: Iterable[tuple[str, torch.Tensor
         initialize_layerwise_reload(model)
         try:
             loaded = model.load_weights(tracked)
+            partial = _partly_loaded_modules(model)
+            if partial:
+                shown = "; ".join(partial[:6]) + (f"; and {len(partial) - 6} more" if len(partial) > 6 else "")
+                raise IncompleteRefitError(
+                    f"the refit brought {tracked.count} weights but left {len(partial)} module(s) partly loaded "
+                    f"(a part of a fused weight such as q/k/v or gate/up is missing): {shown}"
+                )
         except BaseException as exc:
             cleanup = _finalize_after_failure(model, worker.vllm_config.model_config)
             if cleanup:
                 logger.error("%s", cleanup)
-            if tracked.source_failed or isinstance(exc, (RolloutLoadError, KeyboardInterrupt)):
+            if tracked.source_failed or isinstance(exc, (RolloutLoadError, IncompleteRefitError, KeyboardInterrupt)):
                 raise
             raise RolloutLoadError(
                 f"vLLM could not load the refit {tracked.describe_last()}: {exc}" + (f" ({cleanup})" if cleanup else "")
@@ -99,6 +108,35 @@ def load_streamed_weights(worker: Any, weights: Iterable[tuple[str, torch.Tensor
                 f"{len(expected)} parameters: {shown}"
             )
     return tracked.count, tracked.nbytes
+
+
+def _partly_loaded_modules(model: torch.nn.Module) -> list[str]:
+    """Modules vLLM's layerwise reload still waits on with some but not all of their elements
+    loaded. vLLM marks a fused parameter (``qkv_proj``) loaded once any part of it arrived, and
+    its finalize would build such a module with the missing part uninitialized; a vocabulary
+    layer may legitimately leave its padding rows unloaded."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    partial = []
+    for name, module in model.named_modules():
+        info = get_layerwise_info(module)
+        if not info.can_load() or is_deferred_attention_layer(module):
+            continue
+        total, done = int(info.load_numel_total or 0), int(info.load_numel)
+        if 0 < done < total - _padding_elements(module):
+            partial.append(f"{name or type(module).__name__} ({done} of {total} elements)")
+    return partial
+
+
+def _padding_elements(module: torch.nn.Module) -> int:
+    """Elements of a vocabulary-parallel layer past the checkpoint's vocabulary (padding and
+    added-vocabulary rows), which no checkpoint weight fills."""
+    indices = getattr(module, "shard_indices", None)
+    dim = getattr(module, "embedding_dim", None)
+    if indices is None or not isinstance(dim, int):
+        return 0
+    return int(indices.num_elements_padded - indices.num_org_elements) * dim
 
 
 def _finalize_after_failure(model: torch.nn.Module, model_config: Any) -> str:

@@ -75,3 +75,8 @@ class HeapGuard:
         if self.start is not None and now is not None and now - self.start > self.budget_bytes:
             if release_free_heap():
                 self.trims += 1
+                # What is left is in use (a large layer vLLM holds, say): trim again only
+                # once the refit grows by another budget's worth.
+                after = rss_bytes()
+                if after is not None:
+                    self.start = max(self.start, after - self.budget_bytes)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpt_core.errors import InvalidArgumentError, LifecycleError
+from ckpt_core.errors import InvalidArgumentError, LifecycleError, TransferTimeoutError
 from ckpt_core.orchestration.coordinator import CallResult, RefitFailedError
 from ckpt_vllm.errors import StaleWeightsError
 
@@ -25,8 +25,11 @@ class VllmRollout:
 
     ``rank_offset`` is the rollout rank of this engine's rank 0 among all rollout workers of
     the refit (several engines, data-parallel replicas, each take a range). ``rpc_timeout_s``
-    bounds each call to the workers; it must exceed the engine's own ``timeout_s`` so that a
-    lost peer surfaces as the engine's typed error rather than as an RPC time-out.
+    bounds each call to the workers (vLLM's multiprocess executor enforces it; with a single
+    worker process vLLM ignores it, and the backend's ``timeout_s`` bounds each wait inside);
+    keep it well above the backend's ``timeout_s`` and a whole refit's time, so that a lost
+    peer surfaces as the backend's typed error. A call that times out makes this object refuse
+    every later call (vLLM may deliver the late reply to the next one): restart the engine.
 
     ``host_pool_bytes`` (default 0: off) is how much freed received-tensor memory ckpt-core
     may keep in each worker for the next refit. vLLM copies every tensor into the model and
@@ -52,9 +55,11 @@ class VllmRollout:
         self.llm = llm
         self.rpc_timeout_s = rpc_timeout_s
         self.rank_offset = rank_offset
+        self.verify = verify
         self.weight_version = 0
         self._current = True
-        created = self._call(
+        self._unusable: str | None = None
+        created = self.replies(
             "create",
             backend=backend,
             bucket_size_bytes=bucket_size_bytes,
@@ -63,6 +68,11 @@ class VllmRollout:
             verify=verify,
             host_pool_bytes=host_pool_bytes,
         )
+        failures = [r for r in created if not r.ok]
+        if failures:
+            if len(failures) < len(created):  # leave no rank holding an engine of a failed start
+                self.replies("finalize")
+            raise RefitFailedError("ckpt_engine_create", failures)
         self.world_size = len(created)
 
     # -- calls to every rank -----------------------------------------------------------------
@@ -70,8 +80,20 @@ class VllmRollout:
         """``ckpt_engine_<method>(**kwargs)`` on every rank: one result per rank, in rank order.
         ``timeout_s`` (default ``rpc_timeout_s``) bounds the call; vLLM raises ``TimeoutError``
         past it."""
-        timeout = self.rpc_timeout_s if timeout_s is None else timeout_s
-        raw = self.llm.collective_rpc(f"ckpt_engine_{method}", timeout=timeout, kwargs=kwargs)
+        if self._unusable is not None:
+            raise LifecycleError(self._unusable)
+        timeout = self.rpc_timeout_s if timeout_s is None else max(timeout_s, self.rpc_timeout_s)
+        try:
+            raw = self.llm.collective_rpc(f"ckpt_engine_{method}", timeout=timeout, kwargs=kwargs)
+        except TimeoutError as exc:
+            # vLLM's workers may still answer this call, and a later call would read that
+            # answer as its own: nothing more goes through this engine.
+            self._unusable = (
+                f"ckpt_engine_{method} did not answer within {timeout:g}s; vLLM may still deliver that "
+                "reply to the next call, so this engine takes no more ckpt-engine calls: restart it"
+            )
+            self._current = False
+            raise TransferTimeoutError(self._unusable) from exc
         return [CallResult.from_reply(self.label(rank), reply) for rank, reply in enumerate(raw)]
 
     def label(self, rank: int) -> str:

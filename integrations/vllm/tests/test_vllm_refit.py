@@ -20,7 +20,7 @@ from conftest import REFITS, greedy_tokens, trainer_pool
 from ckpt_core.orchestration.coordinator import CallResult, RefitCoordinator, RefitFailedError
 from ckpt_core.orchestration.joined import JoinedPool
 from ckpt_core.orchestration.local import LocalProcessPool
-from ckpt_vllm import RolloutLoadError, StaleWeightsError, VllmRollout, VllmWorkerPool
+from ckpt_vllm import IncompleteRefitError, RolloutLoadError, StaleWeightsError, VllmRollout, VllmWorkerPool
 
 BACKENDS = {"gloo_cpu": {}, "cuda_ipc": {"device": "cpu"}}
 BUCKET = 1 << 20
@@ -137,15 +137,27 @@ def test_a_trainer_killed_mid_refit_leaves_the_engine_not_current_until_the_next
 
 
 @pytest.mark.parametrize(
-    ("fault", "named"),
+    ("fault", "error", "named"),
     [
-        ({"extra": [{"name": "model.layers.0.mlp.not_a_weight.weight", "shape": [4, 4]}]}, "not_a_weight"),
-        ({"reshape": "model.layers.1.mlp.down_proj.weight"}, "model.layers.1.mlp.down_proj.weight"),
+        (
+            {"extra": [{"name": "model.layers.0.mlp.not_a_weight.weight", "shape": [4, 4]}]},
+            RolloutLoadError,
+            "not_a_weight",
+        ),
+        ({"reshape": "model.layers.1.mlp.down_proj.weight"}, RolloutLoadError, "model.layers.1.mlp.down_proj.weight"),
+        # vLLM counts a fused qkv_proj as loaded once any part arrived: caught from its element count.
+        ({"skip": "model.layers.0.self_attn.k_proj.weight"}, IncompleteRefitError, "model.layers.0.self_attn.qkv_proj"),
+        ({"skip": "model.norm.weight"}, IncompleteRefitError, "model.norm.weight"),
     ],
-    ids=["unknown_name", "wrong_shape"],
+    ids=["unknown_name", "wrong_shape", "missing_part_of_a_fused_weight", "missing_weight"],
 )
 def test_a_bad_weight_is_a_clear_error_and_never_reported_current(
-    fault: dict[str, Any], named: str, refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
+    fault: dict[str, Any],
+    error: type[Exception],
+    named: str,
+    refitted_llm: Any,
+    checkpoints: dict[str, Any],
+    reference_tokens: list[Any],
 ) -> None:
     rollout = VllmRollout(refitted_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET, engine_kwargs={"timeout_s": 10.0})
     try:
@@ -155,7 +167,7 @@ def test_a_bad_weight_is_a_clear_error_and_never_reported_current(
             _, received = refit(trainer, rollout, **fault)
         assert isinstance(received, RefitFailedError), received
         for failure in received.failures:
-            assert failure.error_type == RolloutLoadError.__name__, failure.describe()
+            assert failure.error_type == error.__name__, failure.describe()
             assert named in (failure.message or ""), failure.describe()
         assert not any(s["current"] for s in rollout.status())
         with pytest.raises(StaleWeightsError):

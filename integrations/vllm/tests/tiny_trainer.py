@@ -112,15 +112,18 @@ class TinyTrainer:
         die_after: int | None = None,
         extra: list[dict[str, Any]] | None = None,
         reshape: str | None = None,
+        skip: str | None = None,
     ) -> dict[str, Any]:
         """Send the weights. Faults for the tests: ``die_after`` N weights the process SIGKILLs
         itself mid-refit; ``extra`` adds ``{"name", "shape"}`` weights; ``reshape`` sends that
-        weight with one more row."""
+        weight with one more row; ``skip`` leaves that weight out."""
 
         def source() -> Iterator[tuple[str, torch.Tensor]]:
             for count, (name, tensor) in enumerate(self.weights()):
                 if die_after is not None and count == die_after:
                     os.kill(os.getpid(), signal.SIGKILL)
+                if name == skip:
+                    continue
                 if name == reshape:
                     tensor = torch.cat([tensor, tensor[:1]])
                 yield name, tensor
@@ -128,7 +131,7 @@ class TinyTrainer:
                 yield spec["name"], torch.zeros(spec["shape"], dtype=torch.bfloat16)
 
         asyncio.run(self.engine.send_weights(source()))
-        sent = len(self.model.state_dict()) + len(extra or [])
+        sent = len(self.model.state_dict()) + len(extra or []) - (skip is not None)
         return {"role": "policy", "rank": self.rank, "tensors": sent, "digests": self.digests()}
 
     def commit(self, *, weight_version: int) -> None:
