@@ -72,7 +72,14 @@ def _gloo_paired_refit(key: str, label: str, bucket_size: int, timeout_s: float)
 
 
 def run(size: int, bucket_size: int, reps: int, modes: list[str], out: Path, timeout_s: float) -> dict[str, Any]:
-    results: dict[str, Any] = {"size_bytes": size, "bucket_size": bucket_size, "reps": reps, "modes": {}}
+    producer_threads = max(1, (os.cpu_count() or 2) // 2)  # the refit's policy process's share
+    results: dict[str, Any] = {
+        "size_bytes": size,
+        "bucket_size": bucket_size,
+        "reps": reps,
+        "produce_threads": producer_threads,
+        "modes": {},
+    }
     with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="ckpt-produce-") as scratch:
         ready = write_payload(Path(scratch) / "payload", size, label=f"{size >> 20} MiB")
         for mode in modes:
@@ -80,7 +87,7 @@ def run(size: int, bucket_size: int, reps: int, modes: list[str], out: Path, tim
             # each of its two workers half), so producing alone is measured with that share;
             # with every core, beside it, for reference.
             producer = ProduceMethod(
-                key="produce", label="producing alone", timeout_s=timeout_s, threads=max(1, (os.cpu_count() or 2) // 2)
+                key="produce", label="producing alone", timeout_s=timeout_s, threads=producer_threads
             )
             methods: list[Method] = [
                 producer,

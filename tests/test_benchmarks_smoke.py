@@ -6,6 +6,7 @@ asserted beyond "positive"."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -125,8 +126,11 @@ def test_the_producing_workload_runs_side_by_side(tmp_path: Path) -> None:
     )
     results = json.loads((tmp_path / "produce.json").read_text())
     assert set(results["modes"]) == {"cast-bf16", "fill"}
+    # producing alone gets the threads the refit's policy process has: half the cores
+    assert results["produce_threads"] == max(1, (os.cpu_count() or 2) // 2)
     for mode, result in results["modes"].items():
-        assert set(result["median_seconds"]) == {"produce", "refit", "raw", "naive", "refit_ready"}, mode
+        expected = {"produce", "produce_all_cores", "refit", "raw", "naive", "refit_ready"}
+        assert set(result["median_seconds"]) == expected, mode
         assert all(seconds > 0 for seconds in result["median_seconds"].values()), mode
         assert result["payload_bytes"] > 0 and result["speedup_over_naive"] > 0
     # cast-bf16 turns the payload's fp32 norms into bf16: fewer bytes than the ready payload
