@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
@@ -208,7 +208,9 @@ class CkptEngineWorkerExtension:
             "peak_rss_bytes": peak_rss_bytes() if peak_known else None,
         }
 
-    def _ckpt_engine_received(self, state: _RankState, digests: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+    def _ckpt_engine_received(
+        self, state: _RankState, digests: dict[str, str]
+    ) -> Generator[tuple[str, torch.Tensor], None, None]:
         """The engine's received batches as one stream of ``(name, tensor)``, pulled as vLLM
         loads them (so at most the engine's own buffers and vLLM's pending layer are held)."""
         batches = state.engine.receive_weight_batches()
