@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -84,8 +85,9 @@ def greedy(llm: Any) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def disk_reload(llm: Any, params: dict[str, Any], refit_index: int, workdir: Path) -> float:
-    """Save W where vLLM can read it and reload from there; seconds, end to end."""
+def disk_reload(llm: Any, params: dict[str, Any], refit_index: int, workdir: Path) -> tuple[float, float]:
+    """Save W where vLLM can read it and reload from there; seconds end to end, and of them
+    the save's."""
     from safetensors.torch import save_file
 
     target = workdir / f"w{refit_index}"
@@ -94,10 +96,11 @@ def disk_reload(llm: Any, params: dict[str, Any], refit_index: int, workdir: Pat
     target.mkdir()
     save_file(weights, str(target / "model.safetensors"))
     (target / "config.json").write_bytes((Path(params["model"]) / "config.json").read_bytes())
+    saved = time.perf_counter()
     llm.collective_rpc("reload_weights", kwargs={"weights_path": str(target), "is_checkpoint_format": True})
     if not llm.reset_prefix_cache():
         raise RuntimeError("vLLM refused to reset its prefix cache")
-    return time.perf_counter() - start
+    return time.perf_counter() - start, saved - start
 
 
 def cached_reload(llm: Any, refit_index: int, workdir: Path) -> float:
@@ -113,11 +116,20 @@ def run(backends: list[str], reps: int, memory_refits: int, bucket_size: int, la
     # only slow each other down (on real machines they do not share cores at all).
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1")
+    workdir = Path(tempfile.mkdtemp(prefix="ckpt_vllm_bench_"))
+    try:
+        return _run_in(workdir, backends, reps, memory_refits, bucket_size, layers, out)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)  # a model's worth of files per repetition
+
+
+def _run_in(
+    workdir: Path, backends: list[str], reps: int, memory_refits: int, bucket_size: int, layers: int, out: Path
+) -> dict[str, Any]:
     from vllm import LLM
 
     from ckpt_vllm import WORKER_EXTENSION
 
-    workdir = Path(tempfile.mkdtemp(prefix="ckpt_vllm_bench_"))
     names = make_model(workdir / "start", layers)
     versions = len(backends) * (memory_refits + reps)
     params = {"model": str(workdir / "start"), "names": names, "versions": versions}
@@ -204,24 +216,30 @@ def run_backend(
             report = coordinator.refit()
             refit_seconds = time.perf_counter() - start
             refitted = greedy(llm)
-            reload_seconds = disk_reload(llm, params, version(), workdir)
+            reload_seconds, save_seconds = disk_reload(llm, params, version(), workdir)
             reloaded = greedy(llm)
             load_seconds = cached_reload(llm, version(), workdir)
             if refitted != reloaded:
                 raise AssertionError(
                     f"{backend} rep {rep}: the same W generates {refitted} refitted, {reloaded} reloaded"
                 )
-            worker_seconds = report.rollout[0]["wall_seconds"]
+            worker = report.rollout[0]
+            worker_seconds, wait_seconds = worker["wall_seconds"], worker["receive_wait_seconds"]
             print(
-                f"{backend} rep {rep}: refit {refit_seconds:.3f}s (vLLM worker {worker_seconds:.3f}s), "
-                f"disk reload {reload_seconds:.3f}s, vLLM's load alone {load_seconds:.3f}s",
+                f"{backend} rep {rep}: refit {refit_seconds:.3f}s (vLLM worker {worker_seconds:.3f}s, "
+                f"{wait_seconds:.3f}s of it waiting for bytes), "
+                f"disk reload {reload_seconds:.3f}s ({save_seconds:.3f}s of it saving), "
+                f"vLLM's load alone {load_seconds:.3f}s",
                 flush=True,
             )
             rows.append(
                 {
                     "ckpt_refit_s": refit_seconds,
                     "worker_s": worker_seconds,
+                    "worker_wait_s": wait_seconds,
+                    "worker_cloned_bytes": worker["pending_cloned_bytes"],
                     "disk_reload_s": reload_seconds,
+                    "disk_save_s": save_seconds,
                     "vllm_load_s": load_seconds,
                 }
             )
@@ -234,6 +252,8 @@ def run_backend(
         "median_ckpt_refit_s": refit_s,
         "median_disk_reload_s": reload_s,
         "median_vllm_load_alone_s": statistics.median(r["vllm_load_s"] for r in rows),
+        "median_worker_wait_s": statistics.median(r["worker_wait_s"] for r in rows),
+        "median_disk_save_s": statistics.median(r["disk_save_s"] for r in rows),
         "speedup": reload_s / refit_s,
         "memory_refits": memory,
         "worker_rss_before_first_refit_bytes": resident,
@@ -247,14 +267,16 @@ def report_table(r: dict[str, Any]) -> str:
         f"{r['bucket_size'] // MIB} MiB buckets; medians of {len(next(iter(r['backends'].values()))['reps'])} "
         "alternating repetitions, seconds.",
         "",
-        "| backend | ckpt-engine refit | save to disk + vLLM `reload_weights(weights_path=...)` | speed-up "
+        "| backend | ckpt-engine refit (worker waiting for bytes) "
+        "| save to disk + vLLM `reload_weights(weights_path=...)` (saving) | speed-up "
         "| vLLM's load alone (W in the page cache) | worker peak RSS over resident (bound) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     bound = r["worker_peak_rss_bound_bytes"] / MIB
     for backend, b in r["backends"].items():
         lines.append(
-            f"| {backend} | {b['median_ckpt_refit_s']:.3f} | {b['median_disk_reload_s']:.3f} | {b['speedup']:.2f}x "
+            f"| {backend} | {b['median_ckpt_refit_s']:.3f} ({b['median_worker_wait_s']:.3f}) "
+            f"| {b['median_disk_reload_s']:.3f} ({b['median_disk_save_s']:.3f}) | {b['speedup']:.2f}x "
             f"| {b['median_vllm_load_alone_s']:.3f} | {b['worker_peak_rss_growth_bytes'] / MIB:.0f} MiB "
             f"({bound:.0f}: {'within' if b['memory_within_bound'] else 'OVER'}) |"
         )

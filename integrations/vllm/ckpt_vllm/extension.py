@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import time
 from collections.abc import Callable, Generator
 from typing import Any
@@ -31,12 +32,12 @@ from typing import Any
 import torch
 
 from ckpt_core.contract import CheckpointEngine
-from ckpt_core.errors import InvalidArgumentError, LifecycleError
+from ckpt_core.errors import LifecycleError
 from ckpt_core.memory import limit_host_pool
 from ckpt_core.orchestration.protocol import error_reply
 from ckpt_core.orchestration.workload import tensor_digest
-from ckpt_core.registry import create_checkpoint_engine
-from ckpt_vllm.loading import load_streamed_weights
+from ckpt_core.registry import create_checkpoint_engine, resolve_backend
+from ckpt_vllm.loading import is_view_of_larger_storage, load_streamed_weights, own_pending_weights
 from ckpt_vllm.memory import (
     GROWTH_ALLOWANCE_BYTES,
     HeapGuard,
@@ -70,6 +71,22 @@ class _RankState:
             "last_error": self.last_error,
             "rss_bytes": rss_bytes(),
         }
+
+
+@dataclasses.dataclass
+class _ReceiveTally:
+    """What one refit's receive stream noted: digests (with ``verify``), bytes cloned, time
+    spent waiting for batches (the rest of a refit's wall time is vLLM loading)."""
+
+    digests: dict[str, str] = dataclasses.field(default_factory=dict)
+    cloned_bytes: int = 0
+    wait_seconds: float = 0.0  # in the engine, waiting for the next batch
+
+
+def _accepts_option(backend: str, option: str) -> bool:
+    """Whether ``backend``'s engine class takes ``option`` as a named constructor argument."""
+    engine_class = resolve_backend(backend)
+    return option in inspect.signature(engine_class.__init__).parameters
 
 
 def _replying(method: Callable[..., Any]) -> Callable[..., dict[str, Any]]:
@@ -116,17 +133,19 @@ class CkptEngineWorkerExtension:
         is ``rank_offset`` + this worker's rank. ``verify`` adds a digest of every received
         tensor to refit reports (for a coordinator that checks them against the sender's).
         ``host_pool_bytes`` limits ckpt-core's pool of freed received-tensor memory in this
-        worker (``ckpt_core.memory.limit_host_pool``)."""
+        worker (``ckpt_core.memory.limit_host_pool``). A backend that has the option
+        ``borrow_received_tensors`` gets it on unless ``engine_kwargs`` says otherwise: batches
+        then go into vLLM as views of the transport's buffers, and only the weights vLLM keeps
+        past a batch (those of a layer not complete yet) are copied."""
         previous = getattr(self, "_ckpt_engine_state", None)
         if previous is not None:
             raise LifecycleError("this vLLM worker has a checkpoint engine already: finalize it first")
         kwargs = dict(engine_kwargs or {})
-        if kwargs.get("borrow_received_tensors"):
-            raise InvalidArgumentError(
-                "borrow_received_tensors cannot be used with vLLM: its layerwise reload keeps each "
-                "layer's tensors until the whole layer arrived, past the next batch, when a borrowed "
-                "tensor's buffer is refilled; leave the option off (received tensors then own their memory)"
-            )
+        if "borrow_received_tensors" not in kwargs and _accepts_option(backend, "borrow_received_tensors"):
+            # The loader makes what vLLM keeps its own at every batch boundary
+            # (loading.own_pending_weights), so borrowing is safe here and saves a copy of
+            # every byte; say borrow_received_tensors=False to receive owned tensors.
+            kwargs["borrow_received_tensors"] = True
         limit_host_pool(host_pool_bytes)
         engine = create_checkpoint_engine(backend, bucket_size_bytes=bucket_size_bytes, engine_kwargs=dict(kwargs))
         self._ckpt_engine_state = _RankState(backend, bucket_size_bytes, kwargs, rank_offset, verify, engine)
@@ -170,9 +189,9 @@ class CkptEngineWorkerExtension:
         release_free_heap()
         peak_known = reset_peak_rss()
         rss_before = rss_bytes()
-        digests: dict[str, str] = {}
+        tally = _ReceiveTally()
         start = time.perf_counter()
-        stream = self._ckpt_engine_received(state, digests)
+        stream = self._ckpt_engine_received(state, tally)
         try:
             tensors, nbytes = load_streamed_weights(self, stream)
         except BaseException as exc:
@@ -203,33 +222,47 @@ class CkptEngineWorkerExtension:
             "bytes": nbytes,
             "wall_seconds": seconds,
             "stats": stats.to_dict() if stats is not None else None,
-            "digests": digests,
+            "digests": tally.digests,
+            "pending_cloned_bytes": tally.cloned_bytes,
+            "receive_wait_seconds": tally.wait_seconds,
             "rss_before_bytes": rss_before,
             "peak_rss_bytes": peak_rss_bytes() if peak_known else None,
         }
 
     def _ckpt_engine_received(
-        self, state: _RankState, digests: dict[str, str]
+        self, state: _RankState, tally: _ReceiveTally
     ) -> Generator[tuple[str, torch.Tensor], None, None]:
         """The engine's received batches as one stream of ``(name, tensor)``, pulled as vLLM
-        loads them (so at most the engine's own buffers and vLLM's pending layer are held)."""
+        loads them (so at most the engine's own buffers and vLLM's pending layer are held).
+        With borrowed batches, what vLLM still holds of a batch is cloned before the next one
+        is asked for (:func:`~ckpt_vllm.loading.own_pending_weights`)."""
         batches = state.engine.receive_weight_batches()
         guard = HeapGuard(budget_bytes=2 * state.bucket_size_bytes + GROWTH_ALLOWANCE_BYTES)
+        borrowed = bool(state.engine_kwargs.get("borrow_received_tensors"))
+        model = self.model_runner.get_model()
         loop = asyncio.new_event_loop()
         try:
             while True:
                 guard.check()
+                asked = time.perf_counter()
                 try:
                     batch = loop.run_until_complete(batches.__anext__())
                 except StopAsyncIteration:
                     return
+                finally:
+                    tally.wait_seconds += time.perf_counter() - asked
+                lent: set[int] = set()
                 batch.reverse()
                 while batch:  # drop the batch's reference to each tensor once vLLM has it
                     name, tensor = batch.pop()
+                    if borrowed and is_view_of_larger_storage(tensor):
+                        lent.add(tensor.untyped_storage().data_ptr())
                     if state.verify:
-                        digests[name] = tensor_digest(tensor)
+                        tally.digests[name] = tensor_digest(tensor)
                     yield name, tensor
                     del tensor
+                if lent:  # before the next batch refills the buffers these tensors view
+                    tally.cloned_bytes += own_pending_weights(model, lent)
         finally:
             loop.run_until_complete(batches.aclose())
             loop.close()

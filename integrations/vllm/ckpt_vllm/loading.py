@@ -7,6 +7,11 @@ quantization) as soon as every weight of that layer arrived. So a refit streams:
 processed while later batches are still on the wire, and the model is never held twice. Send a
 layer's weights together (Hugging Face state-dict order does): vLLM buffers the weights of each
 layer that is not complete yet.
+
+Borrowed batches (the engine's ``borrow_received_tensors``) go in without a copy of their own:
+a borrowed tensor is valid only until the next batch is asked for, and vLLM copies a complete
+layer's weights into the model at once, but keeps the weights of a layer still waiting for
+more. :func:`own_pending_weights`, called at every batch boundary, clones exactly those.
 """
 
 from __future__ import annotations
@@ -108,6 +113,41 @@ def load_streamed_weights(worker: Any, weights: Iterable[tuple[str, torch.Tensor
                 f"{len(expected)} parameters: {shown}"
             )
     return tracked.count, tracked.nbytes
+
+
+def is_view_of_larger_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` shows part of a larger storage: every borrowed tensor does (a view of a
+    transport buffer), and so does a small received tensor packed with others; a tensor that
+    owns its memory does not."""
+    return tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size()
+
+
+def own_pending_weights(model: torch.nn.Module, lent_storages: set[int]) -> int:
+    """Replace with clones the tensors vLLM's layerwise reload still holds, for layers not
+    complete yet, that view one of ``lent_storages`` (storage ``data_ptr()`` values); returns the
+    bytes cloned.
+
+    Call it once vLLM took every tensor of a borrowed batch and before the next batch is asked
+    for (which refills the buffers the borrowed tensors view), with the storages of that
+    batch's tensors for which :func:`is_view_of_larger_storage` holds. What vLLM keeps past the
+    call is then memory of its own: the weights of the layers open at the boundary, which an
+    owning receive would have kept as well; weights of layers that completed within the batch
+    were copied into the model by vLLM and are never copied here.
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    cloned = 0
+    for module in model.modules():
+        for _, bound in get_layerwise_info(module).loaded_weights:  # (param name, loader arguments)
+            for key, value in bound.arguments.items():
+                if (
+                    isinstance(value, torch.Tensor)
+                    and not value.is_meta
+                    and value.untyped_storage().data_ptr() in lent_storages
+                ):
+                    bound.arguments[key] = value.clone()
+                    cloned += value.numel() * value.element_size()
+    return cloned
 
 
 def _partly_loaded_modules(model: torch.nn.Module) -> list[str]:
