@@ -26,6 +26,9 @@ class RefitStats:
     """Tensor bytes moved (not counting alignment padding or headers)."""
     tensors: int = 0
     buckets: int = 0
+    direct_chunks: int = 0
+    """Chunks moved outside the bucket buffers, straight between a weight and its output
+    tensor (transports with ``direct_chunks``, for chunks of 1 MiB and more)."""
     seconds: float = 0.0
     pack_seconds: float = 0.0
     """Sender: copying chunks into bucket buffers. Receiver: 0."""

@@ -27,8 +27,12 @@ def views_of_a_bucket(tensor: torch.Tensor) -> bool:
     return tensor.untyped_storage().nbytes() == BUCKET and tensor.numel() * tensor.element_size() < BUCKET
 
 
-def test_borrowed_batches_copied_on_arrival_are_bit_exact_and_whole_tensors_are_views() -> None:
-    policy, rollout = connected_pair(BUCKET, borrow_received_tensors=True)
+@pytest.mark.parametrize("direct_chunks", [False, True], ids=["packed", "direct-chunks-transport"])
+def test_borrowed_batches_copied_on_arrival_are_bit_exact_and_whole_tensors_are_views(direct_chunks: bool) -> None:
+    """Over a transport that takes direct chunks too: a borrowing rollout says so in its
+    metadata and its sender packs every chunk, so the large layer tensors (above the direct
+    threshold of a quarter bucket) are borrowed as well."""
+    policy, rollout = connected_pair(BUCKET, borrow_received_tensors=True, direct_chunks=direct_chunks)
     source = weights()
     copies: list[tuple[str, torch.Tensor]] = []
     borrowed: list[str] = []
@@ -56,6 +60,8 @@ def test_borrowed_batches_copied_on_arrival_are_bit_exact_and_whole_tensors_are_
     for (name, got), (_, want) in zip(copies, source):
         assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), name
     assert "layer0.weight" in borrowed and "split.weight" not in borrowed  # split tensors are assembled
+    assert policy.sender is not None and policy.sender.direct_posts == 0
+    assert policy.last_stats is not None and policy.last_stats.direct_chunks == 0
     policy.finalize()
     rollout.finalize()
 
@@ -116,5 +122,9 @@ def test_borrowed_refits_between_processes_are_bit_exact(backend: str, options: 
             for _ in range(2):
                 report = coordinator.refit()  # raises unless every digest matches, in order
                 assert all(r["tensors"] == report.policy[0]["tensors"] for r in report.rollout)
+                # Borrowing rollouts ask their sender to pack everything: a direct chunk (gloo's
+                # way for chunks of a quarter bucket and more) would land in fresh memory.
+                assert [r["stats"]["direct_chunks"] for r in report.rollout] == [0, 0]
+                assert report.policy[0]["stats"]["direct_chunks"] == 0
         finally:
             coordinator.finalize()

@@ -115,13 +115,17 @@ async def send_refit(
     notifier: RefitNotifier,
     timeout_s: float,
     checksum: Checksum | None = payload_checksum,
+    direct: bool = True,
 ) -> RefitStats:
-    """Send every weight of one refit through ``sender``; returns this sender's statistics."""
+    """Send every weight of one refit through ``sender``; returns this sender's statistics.
+    ``direct=False`` packs every chunk into the slot buffers even where the transport takes
+    direct chunks (for receivers that lend out their buffers: a direct chunk lands in fresh
+    memory instead)."""
     refit = _Refit(bucket_size, context, notifier, RefitStats(), timeout_s, checksum)
     stats = refit.stats
     start = time.perf_counter()
     notifier.started(context)
-    packer = _BucketPacker(sender, refit)
+    packer = _BucketPacker(sender, refit, direct=direct)
     try:
         seen: set[str] = set()
         for meta, chunk in split_weight_chunks_bounded(weights, bucket_size, max_chunks=MAX_CHUNKS_PER_BUCKET):
@@ -151,11 +155,11 @@ async def send_refit(
 class _BucketPacker:
     """Fills slot buffers in turn and posts each bucket as it closes."""
 
-    def __init__(self, sender: BucketSender, refit: _Refit) -> None:
+    def __init__(self, sender: BucketSender, refit: _Refit, *, direct: bool) -> None:
         self.sender = sender
         self.refit = refit
         self.stats = refit.stats
-        self.direct_min = direct_min_bytes(refit.bucket_size) if sender.direct_chunks else None
+        self.direct_min = direct_min_bytes(refit.bucket_size) if sender.direct_chunks and direct else None
         # With the default pack into a host buffer, small chunks are copied here, without the
         # per-call checks that cost more than a 4 KiB copy (the buffer is checked once per slot).
         self.packs_itself = type(sender).pack is BucketSender.pack
@@ -190,6 +194,7 @@ class _BucketPacker:
         if self.direct_min is not None and meta.chunk_size >= self.direct_min and chunk.device == self.buffer.device:
             self.chunks.append(TensorMeta(meta.name, meta.shape, meta.dtype, meta.chunk_offset, meta.chunk_size, None))
             self.direct.append(chunk)
+            self.stats.direct_chunks += 1
             return
         # Packed chunks close up the room direct chunks left, keeping their alignment; they
         # never move past their place in the layout, so the slot cannot overflow.
@@ -420,6 +425,7 @@ class _BucketStream:
             landings.append(landing)
         self.stats.unpack_seconds += time.perf_counter() - start
         direct = [tensor for tensor in received if tensor is not None]
+        self.stats.direct_chunks += len(direct)
         return _PlannedBucket(header, slot, landings, received, direct)
 
     def _finish(self, bucket: _PlannedBucket) -> list[tuple[str, torch.Tensor]]:

@@ -45,6 +45,10 @@ from ckpt_core.stats import RefitStats, Role
 from ckpt_core.transport.interfaces import BucketReceiver, BucketSender
 from ckpt_core.transport.options import MAX_TIMEOUT_S, check_bool, check_positive_number
 
+BORROWS_KEY = "borrows_received_tensors"
+"""In a rollout's ``prepare()`` metadata when it borrows: its senders then pack every chunk into
+their bucket buffers (no direct chunks), since only bytes that arrived in a buffer can be lent."""
+
 
 def _naming_unknown_options(init: Callable[..., None]) -> Callable[..., None]:
     """``init``, refusing an option it does not take with ``EngineOptionError`` (a
@@ -97,7 +101,9 @@ class BucketedEngine(CheckpointEngine):
 
     * ``borrow_received_tensors`` (default off): a tensor that arrived whole inside one bucket
       is handed out as a view of the transport's bucket buffer instead of a copy (tensors that
-      spanned buckets, arrived as direct chunks, or move to ``merge_device`` stay copies). A
+      spanned buckets or move to ``merge_device`` stay copies; the rollout says in its
+      ``prepare()`` metadata that it borrows, and its senders then pack every chunk into their
+      buckets instead of sending large ones as direct chunks, which would land in fresh memory). A
       borrowed tensor, and every view made from it, is valid only until the caller asks for
       the next batch (or the generator is closed): the buffer is then refilled with later
       bytes, which the tensor will show. Borrowed tensors are read-only: the buffer may be
@@ -152,6 +158,7 @@ class BucketedEngine(CheckpointEngine):
         self.shard_expert_weights = check_bool(owner, "shard_expert_weights", shard_expert_weights)
         self.borrow_received_tensors = check_bool(owner, "borrow_received_tensors", borrow_received_tensors)
         self._target_layout: dict[str, Any] | None = None
+        self._send_direct = True  # False once a rollout this policy serves borrows (init)
         self._state = _State.NEW
         self._engine_id = ""
         self._sender: BucketSender | None = None
@@ -217,6 +224,8 @@ class BucketedEngine(CheckpointEngine):
         self._engine_id = uuid.uuid4().hex
         metadata = {"backend": self.backend_name, "format": FORMAT_VERSION, "engine_id": self._engine_id}
         metadata[AGREED_KEY] = self._agreed_settings()
+        if self.borrow_received_tensors:  # as a rollout: senders then pack every byte (see init)
+            metadata[BORROWS_KEY] = True
         transport = self._prepare_transport()
         clash = sorted(set(transport) & set(metadata))
         if clash:
@@ -236,6 +245,9 @@ class BucketedEngine(CheckpointEngine):
         layout = self._destination_layout(worker_rank, train_world_size, rollout_world_size, checked)
         self._sender = self._connect_policy(worker_rank, train_world_size, rollout_world_size, checked)
         self._target_layout = layout
+        # A rollout that borrows can lend only bytes that arrived in its buffers: a direct
+        # chunk would land in fresh memory it then owns (allocated, faulted in) instead.
+        self._send_direct = not any(entry.get(BORROWS_KEY) for entry in checked[train_world_size:])
         self._enter(_State.POLICY, worker_rank)
 
     def init_rollout_process_group(
@@ -355,6 +367,7 @@ class BucketedEngine(CheckpointEngine):
                     notifier=notifier,
                     timeout_s=self.timeout_s,
                     checksum=self._payload_checksum(),
+                    direct=self._send_direct,
                 )
             except BaseException as exc:
                 self._raise_if_cut_off(generation, "send_weights()", exc)

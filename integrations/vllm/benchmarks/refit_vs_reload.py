@@ -9,8 +9,8 @@ ways, alternating:
 
 * ``ckpt_refit``: the trainer sends W while vLLM's worker receives it and streams it into the
   model (``RefitCoordinator`` over ``JoinedPool(trainer, vLLM)``, commit included);
-* ``disk_reload``: W saved as safetensors (with the model's config) to a temporary folder,
-  then vLLM's own ``reload_weights(weights_path=...)``, and its prefix cache reset.
+* ``disk_reload``: the trainer saves W as safetensors (with the model's config) to a temporary
+  folder, then vLLM's own ``reload_weights(weights_path=...)``, and its prefix cache reset.
 
 After both, greedy tokens must be equal (the same W, the same engine). Also timed: vLLM's
 reload of the W just saved, already in the page cache (its own load and post-load processing,
@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ckpt_core.orchestration.worker import RefitWorker
 
 HERE = Path(__file__).resolve().parent
 MODEL: dict[str, Any] = {
@@ -68,6 +70,14 @@ def perturbed_weights(params: dict[str, Any], *, refit_index: int, rank: int = 0
     yield from _READY[int(params.get("first_index", 0)) + refit_index]
 
 
+def tensor_sizes(path: Path) -> list[int]:
+    """Bytes of each tensor of a safetensors file (W has the start-up weights' shapes)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as source:
+        return [source.get_tensor(name).nbytes for name in source.keys()]  # noqa: SIM118 - not a dict
+
+
 def make_model(path: Path, layers: int) -> list[str]:
     import transformers
 
@@ -85,22 +95,38 @@ def greedy(llm: Any) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def disk_reload(llm: Any, params: dict[str, Any], refit_index: int, workdir: Path) -> tuple[float, float]:
-    """Save W where vLLM can read it and reload from there; seconds end to end, and of them
-    the save's."""
-    from safetensors.torch import save_file
+class SavingTrainer(RefitWorker):
+    """The trainer: a policy ``RefitWorker`` that can also save the W it holds to disk (the
+    disk path's save runs where W lives, as a trainer's ``save_pretrained`` would)."""
 
-    target = workdir / f"w{refit_index}"
-    weights = dict(perturbed_weights(params, refit_index=refit_index))  # ready in memory, untimed
+    def save_weights(self, *, index: int, target: str, config: str) -> float:
+        """Save W ``index`` (already in memory) with the model's config into ``target``;
+        seconds."""
+        from safetensors.torch import save_file
+
+        weights = dict(_READY[index])  # made before the first refit, untimed
+        start = time.perf_counter()
+        os.mkdir(target)
+        save_file(weights, os.path.join(target, "model.safetensors"))
+        Path(target, "config.json").write_bytes(Path(config).read_bytes())
+        return time.perf_counter() - start
+
+
+def disk_reload(llm: Any, trainer: Any, params: dict[str, Any], index: int, workdir: Path) -> tuple[float, float]:
+    """The trainer saves W ``index`` where vLLM can read it and vLLM reloads it from there;
+    seconds end to end, and the trainer's save within them."""
+    target = workdir / f"w{index}"
     start = time.perf_counter()
-    target.mkdir()
-    save_file(weights, str(target / "model.safetensors"))
-    (target / "config.json").write_bytes((Path(params["model"]) / "config.json").read_bytes())
-    saved = time.perf_counter()
+    (saved,) = trainer.call(
+        [(0, "save_weights", {"index": index, "target": str(target), "config": f"{params['model']}/config.json"})],
+        120.0,
+    )
+    if not saved.ok:
+        raise RuntimeError(f"the trainer could not save W: {saved.describe()}")
     llm.collective_rpc("reload_weights", kwargs={"weights_path": str(target), "is_checkpoint_format": True})
     if not llm.reset_prefix_cache():
         raise RuntimeError("vLLM refused to reset its prefix cache")
-    return time.perf_counter() - start, saved - start
+    return time.perf_counter() - start, float(saved.value)
 
 
 def cached_reload(llm: Any, refit_index: int, workdir: Path) -> float:
@@ -133,7 +159,7 @@ def _run_in(
     names = make_model(workdir / "start", layers)
     versions = len(backends) * (memory_refits + reps)
     params = {"model": str(workdir / "start"), "names": names, "versions": versions}
-    sizes = [t.numel() * t.element_size() for _, t in perturbed_weights(params, refit_index=0)]
+    sizes = tensor_sizes(workdir / "start" / "model.safetensors")
     llm = LLM(
         model=params["model"],
         skip_tokenizer_init=True,
@@ -186,7 +212,7 @@ def run_backend(
     engine_kwargs = {"device": "cpu"} if backend == "cuda_ipc" else {}
     rollout = VllmRollout(llm, backend=backend, bucket_size_bytes=bucket_size, engine_kwargs=engine_kwargs)
     policy = {
-        "service": "ckpt_core.orchestration.worker:RefitWorker",
+        "service": "refit_vs_reload:SavingTrainer",
         "role": "policy",
         "rank": 0,
         "backend": backend,
@@ -210,13 +236,13 @@ def run_backend(
         for _ in range(memory_refits):
             worker = coordinator.refit().rollout[0]
             memory.append({k: worker[k] for k in ("rss_before_bytes", "peak_rss_bytes", "wall_seconds")})
-        disk_reload(llm, params, version(), workdir)  # the disk path's warm-up
+        disk_reload(llm, trainer, params, version(), workdir)  # the disk path's warm-up
         for rep in range(reps):  # the methods alternate, each moving the same new W in
             start = time.perf_counter()
             report = coordinator.refit()
             refit_seconds = time.perf_counter() - start
             refitted = greedy(llm)
-            reload_seconds, save_seconds = disk_reload(llm, params, version(), workdir)
+            reload_seconds, save_seconds = disk_reload(llm, trainer, params, version(), workdir)
             reloaded = greedy(llm)
             load_seconds = cached_reload(llm, version(), workdir)
             if refitted != reloaded:

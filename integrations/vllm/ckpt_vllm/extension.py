@@ -61,6 +61,7 @@ class _RankState:
     weight_version: int = 0
     current: bool = True  # the weights vLLM loaded at start-up are a consistent model
     loaded_refit: int | None = None  # refit index loaded completely, awaiting commit
+    heap_trimmed: bool = False  # the last refit handed its freed heap back as it ended
     last_error: str | None = None
 
     def status(self, rank: int) -> dict[str, Any]:
@@ -186,7 +187,8 @@ class CkptEngineWorkerExtension:
         state = self._ckpt_engine()
         state.current = False
         state.loaded_refit = None
-        release_free_heap()
+        if not state.heap_trimmed:  # later refits start from the trim the last one ended with
+            release_free_heap()
         peak_known = reset_peak_rss()
         rss_before = rss_bytes()
         tally = _ReceiveTally()
@@ -210,7 +212,7 @@ class CkptEngineWorkerExtension:
             # back to the system, so the worker's RSS between refits stays that of its model
             # and buffers (measured: without it, RSS climbed ~290 MiB over the first refits
             # of a 124 MB model before levelling off).
-            release_free_heap()
+            state.heap_trimmed = release_free_heap()
         seconds = time.perf_counter() - start
         state.loaded_refit = refit_index
         state.last_error = None

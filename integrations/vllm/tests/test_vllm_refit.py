@@ -26,7 +26,7 @@ BACKENDS = {"gloo_cpu": {}, "cuda_ipc": {"device": "cpu"}}
 # Both backends borrow by default in vLLM workers (batches are views of the transport's
 # buffers); this case receives owned tensors instead, the way a backend without the option does.
 OWNED = {"borrow_received_tensors": False}
-CASES = {
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
     **{name: (name, kwargs) for name, kwargs in BACKENDS.items()},
     "cuda_ipc-owned": ("cuda_ipc", {"device": "cpu", **OWNED}),
 }
@@ -101,9 +101,10 @@ def test_refits_through_the_coordinator_match_fresh_engines(
                 assert all(s["current"] and s["weight_version"] == k + 1 for s in rollout.status())
                 for rank_report in report.rollout:
                     assert rank_report["tensors"] == len(checkpoints["digests"][k])
-                    if borrowed and backend == "cuda_ipc":  # every byte in a bucket: borrowed
-                        assert rank_report["pending_cloned_bytes"] > 0, rank_report
-                    if not borrowed:
+                    stats = rank_report["stats"]
+                    if borrowed:  # every byte came in a bucket (the sender packed for a borrower)
+                        assert rank_report["pending_cloned_bytes"] > 0 and stats["direct_chunks"] == 0, rank_report
+                    else:
                         assert rank_report["pending_cloned_bytes"] == 0, rank_report
         finally:
             coordinator.finalize()
