@@ -38,6 +38,11 @@ class InvalidArgumentError(CheckpointEngineError, ValueError):
     """An argument is outside its contract: a bucket size, a rank, a world size, a metadata list."""
 
 
+class WeightLayoutError(InvalidArgumentError):
+    """A destination layout (``ckpt_core.layout``) is malformed, does not cover every weight,
+    or does not fit the weights the sender yields (a layout of another model)."""
+
+
 class EngineOptionError(CheckpointEngineError, TypeError):
     """An engine option is unknown, or of the wrong type or value."""
 

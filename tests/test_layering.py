@@ -66,7 +66,7 @@ def test_lower_layers_do_not_import_higher_ones(layer: str, forbidden: tuple[str
     assert not crossing, f"ckpt_core.{layer} must not import {forbidden}: {crossing}"
 
 
-@pytest.mark.parametrize("module", ["contract.py", "chunking.py", "errors.py", "registry.py", "stats.py"])
+@pytest.mark.parametrize("module", ["contract.py", "chunking.py", "errors.py", "registry.py", "stats.py", "layout.py"])
 def test_the_contract_imports_no_transport_stack(module: str) -> None:
     heavy = ("ckpt_core.transport.engine", "ckpt_core.transport.torch_distributed", "ckpt_core.orchestration")
     crossing = [m for m in imported_modules(REPO / "ckpt_core" / module) if _within(m, heavy)]

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ckpt_core.contract import CheckpointEngine
+from ckpt_core.layout import WeightLayout, is_ckpt_layout, select_weights
 from ckpt_core.orchestration.workload import WeightsFactory, digests, load_target, tensor_digest
 from ckpt_core.registry import create_checkpoint_engine
 from ckpt_core.stats import Role
@@ -36,7 +37,9 @@ class RefitWorker:
     the factory itself, called with ``weights_params``; rollout workers need none. ``verify``
     turns digests on. ``load_weights`` (rollout only) receives each received batch instead of
     the worker keeping the tensors (digests are then taken batch by batch, before the loader
-    sees them, and count in ``wall_seconds``).
+    sees them, and count in ``wall_seconds``). ``weight_layout`` (rollout only) goes into this
+    worker's ``prepare()`` metadata as its ``"weight_layout"`` (see :mod:`ckpt_core.layout`; the
+    engines need ``shard_expert_weights=True``).
     """
 
     def __init__(
@@ -52,6 +55,7 @@ class RefitWorker:
         verify: bool = True,
         hook_plugins: list[str] | None = None,
         load_weights: BatchLoader | None = None,
+        weight_layout: dict[str, Any] | None = None,
     ) -> None:
         if role not in ("policy", "rollout"):
             raise ValueError(f"role must be 'policy' or 'rollout', got {role!r}")
@@ -59,6 +63,9 @@ class RefitWorker:
             raise ValueError("a policy worker needs a weights factory ('module:function')")
         if role == "policy" and load_weights is not None:
             raise ValueError("load_weights is for rollout workers; a policy worker sends its weights")
+        if role == "policy" and weight_layout is not None:
+            raise ValueError("weight_layout is a rollout worker's: it says what that rank keeps")
+        self.weight_layout = weight_layout
         self.role: Role = role
         self.rank = rank
         self.backend = backend
@@ -82,7 +89,10 @@ class RefitWorker:
         )
 
     def prepare(self) -> Any:
-        return self.engine.prepare()
+        metadata = self.engine.prepare()
+        if self.weight_layout is not None:
+            metadata = {**metadata, "weight_layout": self.weight_layout}
+        return metadata
 
     def init(self, *, train_world_size: int, rollout_world_size: int, metadata: list[Any]) -> None:
         if self.role == "policy":
@@ -115,9 +125,16 @@ class RefitWorker:
             source = _Counted(factory(params, refit_index=refit_index, rank=self.rank))
             asyncio.run(self.engine.send_weights(iter(source)))
             wall = time.perf_counter() - start
-            # Digests of the source, computed after the send so they are not in its timing.
-            result_digests = digests(factory(params, refit_index=refit_index, rank=self.rank)) if self.verify else {}
             count = source.count
+            # Digests of what was sent, computed after the send so they are not in its timing:
+            # with a destination layout, of the parts the destination keeps.
+            sent: Iterable[tuple[str, torch.Tensor]] = factory(params, refit_index=refit_index, rank=self.rank)
+            layout = self._destination_layout()
+            if layout is not None:
+                sent = select_weights(sent, layout, destination="the destination")
+                stats = getattr(self.engine, "last_stats", None)
+                count = stats.tensors if stats is not None else count
+            result_digests = digests(sent) if self.verify else {}
         elif self.load_weights is not None or getattr(self.engine, "borrow_received_tensors", False):
             # Borrowed tensors are valid only until the next batch: digest them on arrival.
             loaded = asyncio.run(self._receive_into(self.load_weights or _drop))
@@ -140,6 +157,13 @@ class RefitWorker:
             "peak_rss_bytes": peak_rss_bytes(),
             "weight_version": self.weight_version,  # the last committed before this refit
         }
+
+    def _destination_layout(self) -> WeightLayout | None:
+        """The ckpt-engine layout the engine selects by, if any (see :mod:`ckpt_core.layout`)."""
+        if not getattr(self.engine, "shard_expert_weights", False):
+            return None
+        layout = self.engine.get_target_weight_layout()
+        return WeightLayout.from_json(layout) if is_ckpt_layout(layout) else None
 
     async def _receive(self) -> dict[str, torch.Tensor]:
         received: dict[str, torch.Tensor] = {}

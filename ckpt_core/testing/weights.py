@@ -130,3 +130,29 @@ def slow_marked(params: dict[str, Any], *, refit_index: int, rank: int) -> Weigh
             with open(marker, "w") as f:
                 f.write(f"{pulled}\n")
         yield item
+
+
+def tiny_moe(params: dict[str, Any], *, refit_index: int, rank: int) -> Weights:
+    """A small mixture-of-experts decoder in Hugging Face naming (Qwen2-MoE-like), the same on
+    every policy rank: ``params["layers"]`` (default 2) layers of attention (``q/k/v/o_proj``),
+    a router (``mlp.gate``) and ``params["experts"]`` (default 4) experts of ``gate/up/down_proj``,
+    bf16, with norms, embeddings and the head. ``params["hidden"]`` (64) and
+    ``params["intermediate"]`` (32) set the sizes."""
+    g = _generator(params, refit_index)
+    hidden, inter = int(params.get("hidden", 64)), int(params.get("intermediate", 32))
+    experts, vocab = int(params.get("experts", 4)), int(params.get("vocab", 128))
+    bf16 = torch.bfloat16
+    yield "model.embed_tokens.weight", random_tensor((vocab, hidden), bf16, g)
+    for layer in range(int(params.get("layers", 2))):
+        prefix = f"model.layers.{layer}"
+        yield f"{prefix}.input_layernorm.weight", random_tensor((hidden,), bf16, g)
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            yield f"{prefix}.self_attn.{proj}.weight", random_tensor((hidden, hidden), bf16, g)
+        yield f"{prefix}.post_attention_layernorm.weight", random_tensor((hidden,), bf16, g)
+        yield f"{prefix}.mlp.gate.weight", random_tensor((experts, hidden), bf16, g)
+        expert_shapes = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+        for expert in range(experts):
+            for proj, shape in expert_shapes.items():
+                yield f"{prefix}.mlp.experts.{expert}.{proj}.weight", random_tensor(shape, bf16, g)
+    yield "model.norm.weight", random_tensor((hidden,), bf16, g)
+    yield "lm_head.weight", random_tensor((vocab, hidden), bf16, g)

@@ -40,6 +40,7 @@ from ckpt_core.errors import (
     WireFormatError,
 )
 from ckpt_core.hooks import RefitNotifier
+from ckpt_core.layout import WeightLayout, check_layouts, is_ckpt_layout, select_weights
 from ckpt_core.registry import check_engine_kwargs
 from ckpt_core.stats import RefitStats, Role
 from ckpt_core.transport.interfaces import BucketReceiver, BucketSender
@@ -95,7 +96,10 @@ class BucketedEngine(CheckpointEngine):
       returns the ``"weight_layout"`` that the destination rollout worker put in its
       ``prepare()`` metadata (NeMo RL's vLLM worker does), for the caller to select the weights
       that destination keeps. On a rollout worker the engine only carries the flag: the
-      worker's loader reads it.
+      worker's loader reads it. With a layout in this library's format (:mod:`ckpt_core.layout`,
+      ``"format": "ckpt-engine.weight-layout"``), the engine selects instead: every rollout
+      rank's layout is checked at init (bounds, overlaps, one model, nothing lost), the caller
+      sends full weights, and each destination receives only the parts its layout keeps.
 
     And one of this library's, for rollout workers:
 
@@ -159,6 +163,7 @@ class BucketedEngine(CheckpointEngine):
         self.borrow_received_tensors = check_bool(owner, "borrow_received_tensors", borrow_received_tensors)
         self._target_layout: dict[str, Any] | None = None
         self._send_direct = True  # False once a rollout this policy serves borrows (init)
+        self._selection: tuple[WeightLayout, str] | None = None  # (layout, destination) with a ckpt layout
         self._state = _State.NEW
         self._engine_id = ""
         self._sender: BucketSender | None = None
@@ -271,6 +276,7 @@ class BucketedEngine(CheckpointEngine):
             self._refit_index = 0
             self._busy = False
             self._target_layout = None
+            self._selection = None
             self._generation += 1
             if self.release_after_refit:
                 self._release_cached_memory()
@@ -292,7 +298,9 @@ class BucketedEngine(CheckpointEngine):
     def _destination_layout(
         self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
     ) -> dict[str, Any] | None:
-        """The layout ``get_target_weight_layout()`` returns, checked before connecting."""
+        """The layout ``get_target_weight_layout()`` returns, checked before connecting; with a
+        ckpt-engine layout (:mod:`ckpt_core.layout`), also what ``send_weights`` selects by."""
+        self._selection = None
         if not self.shard_expert_weights:
             return None
         owner = type(self).__name__
@@ -315,7 +323,23 @@ class BucketedEngine(CheckpointEngine):
                 "topology in which each policy rank feeds one rollout rank (topology='paired'), or "
                 "shard_expert_weights=False"
             )
+        if destinations and is_ckpt_layout(layouts[0]):
+            self._selection = self._checked_selection(train_world_size, rollout_world_size, metadata, destinations)
         return layouts[0] if layouts else None
+
+    def _checked_selection(
+        self, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]], destinations: list[int]
+    ) -> tuple[WeightLayout, str]:
+        """Every rollout rank's ckpt-engine layout, checked together (each one alone, then that
+        they describe one model and lose nothing); what this policy rank selects by."""
+        owner = type(self).__name__
+        parsed = {}
+        for rank in range(rollout_world_size):
+            layout = metadata[train_world_size + rank].get("weight_layout")
+            parsed[rank] = WeightLayout.from_json(layout, owner=f"{owner}: rollout rank {rank}'s weight_layout")
+        check_layouts(parsed, owner=owner)
+        rank = destinations[0]
+        return parsed[rank], f"rollout rank {rank}" if len(destinations) == 1 else f"rollout ranks {destinations}"
 
     def _drop_transport(self) -> None:
         try:
@@ -358,6 +382,9 @@ class BucketedEngine(CheckpointEngine):
                 return
             notifier = RefitNotifier(self.backend_name, "policy", self._rank)
             generation = self._generation
+            if self._selection is not None:
+                layout, destination = self._selection
+                weights = select_weights(weights, layout, destination=destination)
             try:
                 self.last_stats = await send_refit(
                     weights,

@@ -1,0 +1,301 @@
+"""Destination layouts: what one rollout rank keeps of every weight, so its sender moves only that.
+
+A rollout worker describes its layout as plain JSON data and puts it in its ``prepare()``
+metadata under ``"weight_layout"``; with ``shard_expert_weights=True`` on the engines, the policy
+worker that sends to it selects, for every weight it yields, the part that rank keeps, before a
+byte is packed (:func:`select_weights`). Every backend shares this: the selection happens
+before the pipeline, not in a transport. The format (version 1)::
+
+    {
+      "format": "ckpt-engine.weight-layout",
+      "version": 1,
+      "weights": {
+        "model.norm.weight": {"shape": [256], "keep": "whole"},
+        "model.layers.0.mlp.experts.3.up_proj.weight": {"shape": [512, 256], "keep": "none"},
+        "model.layers.0.self_attn.q_proj.weight": {"shape": [256, 256], "keep": {"dim": 0, "parts": [[0, 128]]}}
+      }
+    }
+
+``keep`` is ``"whole"``, ``"none"`` (another pipeline stage, an expert another rank owns), or
+slices along one dimension: ``parts`` are ``[offset, length]`` pairs, in the order the rank
+receives them, concatenated along ``dim`` into one tensor under the weight's own name (a fused
+weight whose parts are sharded separately, such as a fused q/k/v or gate/up, has one part per
+piece). ``shape`` is the full weight's shape the layout was made for: a sender's weight of
+another shape is refused (a layout from another model). A layout names every weight the
+sender yields, ``"none"`` included: a weight it does not name is an error, never skipped.
+
+Checked at ``init_policy_process_group`` (:func:`check_layouts`): each layout on its own (a slice
+out of bounds, overlapping parts) and all rollout ranks' layouts together (the same weights and
+shapes, and every element of every weight kept by at least one rank). Checked while sending:
+every weight yielded is named, with its shape, and every named weight is yielded.
+
+NeMo RL's own vLLM layout (``{"expert_params": ..., "missing_weight_prefixes": ...}``, which
+its Megatron worker applies itself) has no ``"format"`` key: engines pass it through to
+``get_target_weight_layout()`` untouched and select nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Generator, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ckpt_core.errors import WeightLayoutError
+
+LAYOUT_FORMAT = "ckpt-engine.weight-layout"
+LAYOUT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptWeight:
+    """What one rank keeps of one weight: all of it (``dim is None`` and ``parts`` empty),
+    nothing (``kept is False``), or ``parts`` (``(offset, length)``) along ``dim``."""
+
+    shape: tuple[int, ...]
+    kept: bool = True
+    dim: int | None = None
+    parts: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def whole(self) -> bool:
+        return self.kept and self.dim is None
+
+    @property
+    def received_shape(self) -> tuple[int, ...] | None:
+        """The shape of the tensor the rank receives for this weight (``None``: none)."""
+        if not self.kept:
+            return None
+        if self.dim is None:
+            return self.shape
+        shape = list(self.shape)
+        shape[self.dim] = sum(length for _, length in self.parts)
+        return tuple(shape)
+
+    def received_elements(self) -> int:
+        shape = self.received_shape
+        return 0 if shape is None else torch.Size(shape).numel()
+
+    def select(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The part of ``tensor`` (the full weight) this rank keeps: the tensor itself, a view
+        (one part), a new tensor (several parts, concatenated along ``dim``), or ``None``."""
+        if not self.kept:
+            return None
+        if self.dim is None:
+            return tensor
+        pieces = [tensor.narrow(self.dim, offset, length) for offset, length in self.parts]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
+
+    def to_json(self) -> dict[str, Any]:
+        keep: Any
+        if not self.kept:
+            keep = "none"
+        elif self.dim is None:
+            keep = "whole"
+        else:
+            keep = {"dim": self.dim, "parts": [list(part) for part in self.parts]}
+        return {"shape": list(self.shape), "keep": keep}
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightLayout:
+    """One rollout rank's layout, checked (build it with :meth:`from_json`)."""
+
+    weights: Mapping[str, KeptWeight]
+
+    @classmethod
+    def from_json(cls, data: Any, *, owner: str = "weight layout") -> WeightLayout:
+        """Parse and check a layout; ``WeightLayoutError`` naming the weight otherwise."""
+        if not isinstance(data, Mapping):
+            raise WeightLayoutError(f"{owner}: a layout is a mapping, got {type(data).__name__}")
+        if data.get("format") != LAYOUT_FORMAT or data.get("version") != LAYOUT_VERSION:
+            raise WeightLayoutError(
+                f"{owner}: expected format {LAYOUT_FORMAT!r} version {LAYOUT_VERSION}, got format "
+                f"{data.get('format')!r} version {data.get('version')!r}"
+            )
+        unknown = sorted(set(data) - {"format", "version", "weights"})
+        if unknown:
+            raise WeightLayoutError(f"{owner}: unknown keys {unknown} (a layout has format, version and weights)")
+        weights = data.get("weights")
+        if not isinstance(weights, Mapping) or not weights:
+            raise WeightLayoutError(f"{owner}: 'weights' must be a non-empty mapping of weight name to entry")
+        return cls({_check_name(owner, name): _parse_entry(owner, name, entry) for name, entry in weights.items()})
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": LAYOUT_FORMAT,
+            "version": LAYOUT_VERSION,
+            "weights": {name: kept.to_json() for name, kept in self.weights.items()},
+        }
+
+    def received_elements(self) -> int:
+        """Elements this rank receives in a refit (times the dtype's size: its bytes)."""
+        return sum(kept.received_elements() for kept in self.weights.values())
+
+
+def is_ckpt_layout(data: Any) -> bool:
+    """Whether ``data`` claims this module's format (NeMo RL's own layouts do not)."""
+    return isinstance(data, Mapping) and "format" in data
+
+
+def whole(shape: Sequence[int]) -> KeptWeight:
+    return KeptWeight(tuple(shape))
+
+
+def nothing(shape: Sequence[int]) -> KeptWeight:
+    return KeptWeight(tuple(shape), kept=False)
+
+
+def slices(shape: Sequence[int], dim: int, parts: Iterable[tuple[int, int]]) -> KeptWeight:
+    return KeptWeight(tuple(shape), dim=dim, parts=tuple((int(o), int(n)) for o, n in parts))
+
+
+def even_shard(shape: Sequence[int], dim: int, rank: int, world_size: int) -> KeptWeight:
+    """Rank ``rank``'s share of ``world_size`` equal shards along ``dim`` (the size must divide)."""
+    size = shape[dim]
+    if size % world_size:
+        raise WeightLayoutError(f"dimension {dim} of size {size} does not split into {world_size} equal shards")
+    step = size // world_size
+    return slices(shape, dim, [(rank * step, step)])
+
+
+def check_layouts(layouts: Mapping[int, WeightLayout], *, owner: str) -> None:
+    """Check the layouts of every rollout rank (rank -> layout) together: the same weight
+    names with the same shapes, and every element of every weight kept by some rank."""
+    ranks = sorted(layouts)
+    first = layouts[ranks[0]]
+    for rank in ranks[1:]:
+        other = layouts[rank]
+        differ = sorted(set(first.weights) ^ set(other.weights))
+        if differ:
+            raise WeightLayoutError(
+                f"{owner}: rollout ranks {ranks[0]} and {rank} describe different weights (first: "
+                f"{differ[0]!r}): every rank's layout names every weight, with keep 'none' for those it lacks"
+            )
+        for name, kept in other.weights.items():
+            if kept.shape != first.weights[name].shape:
+                raise WeightLayoutError(
+                    f"{owner}: weight {name!r} has shape {list(first.weights[name].shape)} in rollout rank "
+                    f"{ranks[0]}'s layout but {list(kept.shape)} in rank {rank}'s: layouts of different models"
+                )
+    for name in first.weights:
+        _check_covered(owner, name, [(rank, layouts[rank].weights[name]) for rank in ranks])
+
+
+def select_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], layout: WeightLayout, *, destination: str
+) -> Generator[tuple[str, torch.Tensor], None, None]:
+    """``weights`` (full tensors) reduced to what ``layout`` keeps; ``WeightLayoutError`` for
+    a weight the layout does not name or names with another shape, and, at the end, for
+    weights it names that never came (``destination`` names the rank in messages)."""
+    expected = layout.weights
+    seen: set[str] = set()
+    for name, tensor in weights:
+        kept = expected.get(name)
+        if kept is None:
+            raise WeightLayoutError(
+                f"the sender yields weight {name!r}, which {destination}'s layout does not name: a layout "
+                "names every weight (keep 'none' for those the rank lacks); is it a layout of another model?"
+            )
+        if tuple(tensor.shape) != kept.shape:
+            raise WeightLayoutError(
+                f"the sender's weight {name!r} has shape {list(tensor.shape)}, but {destination}'s layout "
+                f"was made for {list(kept.shape)}: a layout of another model"
+            )
+        seen.add(name)
+        selected = kept.select(tensor)
+        if selected is not None:
+            yield name, selected
+    missing = [name for name in expected if name not in seen]
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise WeightLayoutError(
+            f"{destination}'s layout names {len(missing)} weight(s) the sender never yielded: {shown}"
+        )
+
+
+def _check_name(owner: str, name: Any) -> str:
+    if not isinstance(name, str) or not name:
+        raise WeightLayoutError(f"{owner}: weight names are non-empty strings, got {name!r}")
+    return name
+
+
+def _parse_entry(owner: str, name: str, entry: Any) -> KeptWeight:
+    where = f"{owner}: weight {name!r}"
+    if not isinstance(entry, Mapping) or set(entry) != {"shape", "keep"}:
+        raise WeightLayoutError(f"{where}: an entry is a mapping with exactly 'shape' and 'keep', got {entry!r}")
+    shape = entry["shape"]
+    if not isinstance(shape, (list, tuple)) or not all(_is_count(size) for size in shape):
+        raise WeightLayoutError(f"{where}: 'shape' must be a list of non-negative ints, got {shape!r}")
+    shape = tuple(shape)
+    keep = entry["keep"]
+    if keep == "whole":
+        return whole(shape)
+    if keep == "none":
+        return nothing(shape)
+    if not isinstance(keep, Mapping) or set(keep) != {"dim", "parts"}:
+        raise WeightLayoutError(
+            f"{where}: 'keep' must be 'whole', 'none' or {{'dim': d, 'parts': [[offset, length], ...]}}, got {keep!r}"
+        )
+    dim, parts = keep["dim"], keep["parts"]
+    if not _is_count(dim) or dim >= len(shape):
+        raise WeightLayoutError(f"{where}: dim {dim!r} is not a dimension of shape {list(shape)}")
+    if not isinstance(parts, (list, tuple)) or not parts:
+        raise WeightLayoutError(f"{where}: 'parts' must be a non-empty list of [offset, length] pairs")
+    checked: list[tuple[int, int]] = []
+    for part in parts:
+        if (
+            not isinstance(part, (list, tuple))
+            or len(part) != 2
+            or not _is_count(part[0])
+            or not _is_count(part[1])
+            or part[1] == 0
+        ):
+            raise WeightLayoutError(f"{where}: a part is [offset >= 0, length >= 1], got {part!r}")
+        offset, length = int(part[0]), int(part[1])
+        if offset + length > shape[dim]:
+            raise WeightLayoutError(
+                f"{where}: part [{offset}, {length}] ends at {offset + length}, past dimension {dim} of "
+                f"size {shape[dim]} (shape {list(shape)})"
+            )
+        checked.append((offset, length))
+    ordered = sorted(checked)
+    for (offset, length), (next_offset, _) in zip(ordered, ordered[1:]):
+        if offset + length > next_offset:
+            raise WeightLayoutError(
+                f"{where}: parts [{offset}, {length}] and [{next_offset}, ...] overlap along dimension {dim}"
+            )
+    return slices(shape, dim, checked)
+
+
+def _check_covered(owner: str, name: str, kept_by: list[tuple[int, KeptWeight]]) -> None:
+    """Every element of weight ``name`` reaches at least one rank."""
+    keeping = [(rank, kept) for rank, kept in kept_by if kept.kept]
+    if not keeping:
+        raise WeightLayoutError(f"{owner}: no rollout rank keeps any of weight {name!r}: it would be lost")
+    if any(kept.whole for _, kept in keeping):
+        return
+    dims = {kept.dim for _, kept in keeping}
+    if len(dims) > 1:
+        raise WeightLayoutError(
+            f"{owner}: weight {name!r} is sliced along different dimensions {sorted(d for d in dims if d is not None)} "
+            "by different ranks; slice every rank's part along one dimension"
+        )
+    shape = keeping[0][1].shape
+    dim = keeping[0][1].dim
+    assert dim is not None
+    covered = 0
+    for offset, length in sorted(part for _, kept in keeping for part in kept.parts):
+        if offset > covered:
+            break
+        covered = max(covered, offset + length)
+    if covered < shape[dim]:
+        raise WeightLayoutError(
+            f"{owner}: no rollout rank keeps index {covered} of dimension {dim} of weight {name!r} "
+            f"(size {shape[dim]}): that part would be lost"
+        )
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -1,0 +1,257 @@
+"""Destination layouts (``ckpt_core.layout``): each rollout rank receives only what it keeps.
+
+The layouts here are of the kind a tensor-parallel, expert-parallel rollout has: attention
+sharded by rows (``q/k/v_proj``) or columns (``o_proj``), experts owned whole by one rank,
+norms, router, embeddings and head replicated. Checked: what arrives is bit-exact the part of
+the sender's tensor the layout names, a rank's received bytes are its kept bytes, and bad
+layouts or layouts of another model are refused with the weight named.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from ckpt_core.errors import RemoteRefitError, WeightLayoutError
+from ckpt_core.layout import (
+    LAYOUT_FORMAT,
+    KeptWeight,
+    WeightLayout,
+    check_layouts,
+    even_shard,
+    nothing,
+    select_weights,
+    slices,
+    whole,
+)
+from ckpt_core.testing.memory import MemoryEngine, run_refit
+from ckpt_core.testing.weights import tiny_moe
+
+BUCKET = 16 << 10
+MOE: dict[str, Any] = {"seed": 3, "layers": 2, "experts": 4}
+
+
+def moe_shapes(params: dict[str, Any] = MOE) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(t.shape) for name, t in tiny_moe(params, refit_index=0, rank=0)}
+
+
+def sharded_layout(shapes: dict[str, tuple[int, ...]], rank: int, world_size: int) -> WeightLayout:
+    """Attention tensor-parallel, experts owned whole (expert e by rank e % world_size),
+    everything else replicated."""
+    weights: dict[str, KeptWeight] = {}
+    for name, shape in shapes.items():
+        if ".mlp.experts." in name:
+            expert = int(name.split(".mlp.experts.")[1].split(".")[0])
+            weights[name] = whole(shape) if expert % world_size == rank else nothing(shape)
+        elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+            weights[name] = even_shard(shape, 0, rank, world_size)
+        elif name.endswith("o_proj.weight"):
+            weights[name] = even_shard(shape, 1, rank, world_size)
+        else:
+            weights[name] = whole(shape)
+    return WeightLayout(weights)
+
+
+def same_bits(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    """Bit-exact equality (the weights are random bytes: NaNs compare unequal as values)."""
+    assert a is not None
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
+
+
+def connected(layout: dict[str, Any], **options: Any) -> tuple[MemoryEngine, MemoryEngine]:
+    """A policy and a rollout engine whose rollout publishes ``layout`` in its metadata."""
+    policy = MemoryEngine(bucket_size=BUCKET, shard_expert_weights=True, **options)
+    rollout = MemoryEngine(bucket_size=BUCKET, shard_expert_weights=True, **options)
+    metadata = [policy.prepare(), {**rollout.prepare(), "weight_layout": layout}]
+    policy.init_policy_process_group(worker_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata)
+    rollout.init_rollout_process_group(rollout_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata)
+    return policy, rollout
+
+
+# --- the format ----------------------------------------------------------------------------
+
+
+def test_a_layout_round_trips_through_json_and_selects_its_parts() -> None:
+    shapes = moe_shapes()
+    layout = sharded_layout(shapes, rank=1, world_size=2)
+    again = WeightLayout.from_json(layout.to_json())
+    assert again == layout and again.to_json()["format"] == LAYOUT_FORMAT
+    weights = dict(tiny_moe(MOE, refit_index=0, rank=0))
+    q = weights["model.layers.0.self_attn.q_proj.weight"]
+    kept = again.weights["model.layers.0.self_attn.q_proj.weight"]
+    assert same_bits(kept.select(q), q[32:])
+    assert kept.received_shape == (32, 64)
+    fused = slices((6, 2), 0, [(4, 2), (0, 1)])  # parts in the order received, concatenated
+    source = torch.arange(12.0).reshape(6, 2)
+    assert same_bits(fused.select(source), torch.cat([source[4:6], source[0:1]]))
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"shape": [8, 4], "keep": {"dim": 0, "parts": [[6, 4]]}}, "ends at 10, past dimension 0 of size 8"),
+        ({"shape": [8, 4], "keep": {"dim": 0, "parts": [[0, 4], [3, 2]]}}, "overlap along dimension 0"),
+        ({"shape": [8, 4], "keep": {"dim": 2, "parts": [[0, 1]]}}, "dim 2 is not a dimension"),
+        ({"shape": [8, 4], "keep": {"dim": 0, "parts": [[0, 0]]}}, "length >= 1"),
+        ({"shape": [8, 4], "keep": "half"}, "'keep' must be 'whole', 'none'"),
+        ({"shape": [8, -4], "keep": "whole"}, "non-negative ints"),
+        ({"keep": "whole"}, "exactly 'shape' and 'keep'"),
+    ],
+    ids=["out_of_bounds", "overlapping", "bad_dim", "empty_part", "bad_keep", "bad_shape", "no_shape"],
+)
+def test_a_malformed_entry_is_refused_naming_the_weight(entry: dict[str, Any], message: str) -> None:
+    data = {"format": LAYOUT_FORMAT, "version": 1, "weights": {"w.weight": entry}}
+    with pytest.raises(WeightLayoutError, match="weight 'w.weight'") as refused:
+        WeightLayout.from_json(data)
+    assert message in str(refused.value)
+
+
+def test_layouts_of_all_ranks_must_describe_one_model_and_lose_nothing() -> None:
+    shapes = moe_shapes()
+    layouts = {rank: sharded_layout(shapes, rank, 2) for rank in range(2)}
+    check_layouts(layouts, owner="test")  # the sharded pair covers everything
+
+    name = "model.layers.1.self_attn.o_proj.weight"
+    gap = {**layouts[1].weights, name: slices(shapes[name], 1, [(32, 16)])}  # misses columns 48..63
+    with pytest.raises(WeightLayoutError, match=f"index 48 of dimension 1 of weight '{name}'"):
+        check_layouts({0: layouts[0], 1: WeightLayout(gap)}, owner="test")
+
+    expert = "model.layers.0.mlp.experts.2.up_proj.weight"  # owned by rank 0
+    lost = {**layouts[0].weights, expert: nothing(shapes[expert])}
+    with pytest.raises(WeightLayoutError, match=f"no rollout rank keeps any of weight '{expert}'"):
+        check_layouts({0: WeightLayout(lost), 1: layouts[1]}, owner="test")
+
+    other_model = {**layouts[1].weights, expert: nothing((99, 64))}
+    with pytest.raises(WeightLayoutError, match="layouts of different models"):
+        check_layouts({0: layouts[0], 1: WeightLayout(other_model)}, owner="test")
+
+    crossed = {**layouts[1].weights, name: slices(shapes[name], 0, [(0, 64)])}
+    with pytest.raises(WeightLayoutError, match="sliced along different dimensions"):
+        check_layouts({0: layouts[0], 1: WeightLayout(crossed)}, owner="test")
+
+    fewer = dict(layouts[1].weights)
+    del fewer["model.norm.weight"]
+    with pytest.raises(WeightLayoutError, match="describe different weights"):
+        check_layouts({0: layouts[0], 1: WeightLayout(fewer)}, owner="test")
+
+
+# --- through an engine ---------------------------------------------------------------------
+
+
+def test_a_rank_receives_exactly_its_parts_bit_exact_and_its_bytes_only() -> None:
+    """One rank keeping everything, but in a layout that reorders and slices: what arrives
+    is each weight's selection, and the refit moves the kept bytes, not the model's."""
+    shapes = moe_shapes()
+    layout = sharded_layout(shapes, rank=0, world_size=2)
+    # Make rank 0 the only destination: keep the other half too, in a different order.
+    complete = {}
+    for name, kept in layout.weights.items():
+        if kept.dim is not None:
+            size = kept.shape[kept.dim]
+            complete[name] = slices(kept.shape, kept.dim, [(size // 2, size - size // 2), (0, size // 2)])
+        else:
+            complete[name] = whole(kept.shape)
+    policy, rollout = connected(WeightLayout(complete).to_json())
+    outcome = run_refit(policy, rollout, lambda: tiny_moe(MOE, refit_index=1, rank=0))
+    assert outcome.send_error is None and outcome.receive_error is None, (outcome.send_error, outcome.receive_error)
+    expected = list(select_weights(tiny_moe(MOE, refit_index=1, rank=0), WeightLayout(complete), destination="x"))
+    got = outcome.received
+    assert [n for n, _ in got] == [n for n, _ in expected]
+    for (name, tensor), (_, want) in zip(got, expected):
+        assert same_bits(tensor, want), name
+    assert (
+        rollout.last_stats is not None
+        and rollout.last_stats.payload_bytes == 2 * WeightLayout(complete).received_elements()
+    )
+    policy.finalize()
+    rollout.finalize()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("extra", "which rollout rank 0's layout does not name"),
+        ("reshaped", "has shape [64, 32], but rollout rank 0's layout was made for [64, 64]"),
+        ("missing", "names 1 weight(s) the sender never yielded: 'model.norm.weight'"),
+    ],
+)
+def test_a_layout_of_another_model_fails_the_refit_naming_the_weight(change: str, message: str) -> None:
+    shapes = moe_shapes()
+    policy, rollout = connected(WeightLayout({n: whole(s) for n, s in shapes.items()}).to_json())
+
+    def weights() -> Any:
+        for name, tensor in tiny_moe(MOE, refit_index=0, rank=0):
+            if change == "missing" and name == "model.norm.weight":
+                continue
+            if change == "reshaped" and name == "model.layers.0.self_attn.o_proj.weight":
+                tensor = tensor[:, :32]
+            yield name, tensor
+        if change == "extra":
+            yield "model.layers.9.mlp.gate.weight", torch.zeros(4, 64)
+
+    outcome = run_refit(policy, rollout, weights)
+    assert isinstance(outcome.send_error, WeightLayoutError) and message in str(outcome.send_error)
+    assert isinstance(outcome.receive_error, RemoteRefitError)
+    policy.finalize()
+    rollout.finalize()
+
+
+def test_a_bad_layout_is_refused_at_init_and_nemo_rl_layouts_pass_through() -> None:
+    bad = {
+        "format": LAYOUT_FORMAT,
+        "version": 1,
+        "weights": {"w": {"shape": [4], "keep": {"dim": 0, "parts": [[3, 2]]}}},
+    }
+    with pytest.raises(WeightLayoutError, match="rollout rank 0's weight_layout: weight 'w'"):
+        connected(bad)
+    nemo: dict[str, Any] = {"expert_params": {}, "missing_weight_prefixes": []}  # applied by NeMo RL's own worker
+    policy, rollout = connected(nemo)
+    assert policy.get_target_weight_layout() == nemo
+    outcome = run_refit(policy, rollout, lambda: tiny_moe(MOE, refit_index=0, rank=0))
+    assert len(outcome.received) == len(moe_shapes())  # nothing selected by the engine
+    policy.finalize()
+    rollout.finalize()
+
+
+@pytest.mark.slow
+def test_paired_gloo_ranks_owning_half_the_experts_receive_their_parts_bit_exact() -> None:
+    """2 policy -> 2 rollout processes over gloo_cpu (paired), each rollout rank owning half
+    the experts and half of every attention matrix: three refits checked digest by digest
+    against the sender's selection, and each rank's received bytes equal to its kept bytes."""
+    from ckpt_core.orchestration.coordinator import RefitCoordinator
+    from ckpt_core.orchestration.local import LocalProcessPool
+    from ckpt_core.orchestration.worker import refit_worker_specs
+
+    shapes = moe_shapes()
+    layouts = [sharded_layout(shapes, rank, 2) for rank in range(2)]
+    specs, labels = refit_worker_specs(
+        backend="gloo_cpu",
+        num_policy=2,
+        num_rollout=2,
+        bucket_size=BUCKET,
+        engine_kwargs={"topology": "paired", "shard_expert_weights": True},
+        weights="ckpt_core.testing.weights:tiny_moe",
+        weights_params=MOE,
+    )
+    for rank, layout in enumerate(layouts):
+        specs[2 + rank]["weight_layout"] = layout.to_json()
+    full_bytes = 2 * sum(torch.Size(s).numel() for s in shapes.values())
+    with LocalProcessPool(specs, labels=labels) as pool:
+        coordinator = RefitCoordinator(pool, num_policy=2, num_rollout=2, timeout_s=60, topology="paired")
+        coordinator.setup()
+        try:
+            for _ in range(3):
+                report = coordinator.refit()  # raises unless every digest matches its sender's
+                for rank, result in enumerate(report.rollout):
+                    kept_bytes = 2 * layouts[rank].received_elements()
+                    assert result["stats"]["payload_bytes"] == kept_bytes
+                    assert result["tensors"] == sum(k.kept for k in layouts[rank].weights.values())
+                    assert kept_bytes < 0.6 * full_bytes  # half the experts and attention, not the model
+        finally:
+            coordinator.finalize()
