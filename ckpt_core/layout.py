@@ -183,36 +183,55 @@ def check_layouts(layouts: Mapping[int, WeightLayout], *, owner: str) -> None:
         _check_covered(owner, name, [(rank, layouts[rank].weights[name]) for rank in ranks])
 
 
-def select_weights(
-    weights: Iterable[tuple[str, torch.Tensor]], layout: WeightLayout, *, destination: str
-) -> Generator[tuple[str, torch.Tensor], None, None]:
-    """``weights`` (full tensors) reduced to what ``layout`` keeps; ``WeightLayoutError`` for
-    a weight the layout does not name or names with another shape, and, at the end, for
-    weights it names that never came (``destination`` names the rank in messages)."""
-    expected = layout.weights
-    seen: set[str] = set()
-    for name, tensor in weights:
-        kept = expected.get(name)
+class LayoutSelector:
+    """Selects, weight by weight, what one destination's layout keeps, and checks the sender's
+    weights against it (``destination`` names the rank in messages)."""
+
+    def __init__(self, layout: WeightLayout, *, destination: str) -> None:
+        self.layout = layout
+        self.destination = destination
+        self._seen: set[str] = set()
+
+    def select(self, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The part of weight ``name`` the destination keeps (``None``: nothing);
+        ``WeightLayoutError`` if the layout does not name it or names it with another shape."""
+        kept = self.layout.weights.get(name)
         if kept is None:
             raise WeightLayoutError(
-                f"the sender yields weight {name!r}, which {destination}'s layout does not name: a layout "
-                "names every weight (keep 'none' for those the rank lacks); is it a layout of another model?"
+                f"the sender yields weight {name!r}, which {self.destination}'s layout does not name: a "
+                "layout names every weight (keep 'none' for those the rank lacks); is it a layout of another model?"
             )
         if tuple(tensor.shape) != kept.shape:
             raise WeightLayoutError(
-                f"the sender's weight {name!r} has shape {list(tensor.shape)}, but {destination}'s layout "
+                f"the sender's weight {name!r} has shape {list(tensor.shape)}, but {self.destination}'s layout "
                 f"was made for {list(kept.shape)}: a layout of another model"
             )
-        seen.add(name)
-        selected = kept.select(tensor)
+        self._seen.add(name)
+        return kept.select(tensor)
+
+    def finish(self) -> None:
+        """``WeightLayoutError`` for weights the layout names that the sender never yielded."""
+        missing = [name for name in self.layout.weights if name not in self._seen]
+        if missing:
+            shown = ", ".join(repr(n) for n in missing[:5]) + (
+                f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            )
+            raise WeightLayoutError(
+                f"{self.destination}'s layout names {len(missing)} weight(s) the sender never yielded: {shown}"
+            )
+
+
+def select_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], layout: WeightLayout, *, destination: str
+) -> Generator[tuple[str, torch.Tensor], None, None]:
+    """``weights`` (full tensors) reduced to what ``layout`` keeps, checked as
+    :class:`LayoutSelector` does (``destination`` names the rank in messages)."""
+    selector = LayoutSelector(layout, destination=destination)
+    for name, tensor in weights:
+        selected = selector.select(name, tensor)
         if selected is not None:
             yield name, selected
-    missing = [name for name in expected if name not in seen]
-    if missing:
-        shown = ", ".join(repr(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise WeightLayoutError(
-            f"{destination}'s layout names {len(missing)} weight(s) the sender never yielded: {shown}"
-        )
+    selector.finish()
 
 
 def _check_name(owner: str, name: Any) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any, Literal
 
 Role = Literal["policy", "rollout"]
@@ -37,6 +38,20 @@ class RefitStats:
     unpack_seconds: float = 0.0
     """Receiver: reassembling tensors from buckets. Sender: 0."""
     checksum_seconds: float = 0.0
+
+    @classmethod
+    def combined(cls, parts: Iterable[RefitStats]) -> RefitStats:
+        """One worker's account of a refit sent as several streams at once: counts and bytes
+        summed, ``seconds`` the longest stream's, the other times summed over the streams."""
+        total = cls()
+        for part in parts:
+            for field in dataclasses.fields(cls):
+                value = getattr(part, field.name)
+                if field.name == "seconds":
+                    total.seconds = max(total.seconds, value)
+                else:
+                    setattr(total, field.name, getattr(total, field.name) + value)
+        return total
 
     @property
     def gbps(self) -> float:

@@ -137,3 +137,17 @@ def test_the_producing_workload_runs_side_by_side(tmp_path: Path) -> None:
     assert results["modes"]["cast-bf16"]["payload_bytes"] < results["modes"]["cast-bf16"]["ready_payload_bytes"]
     assert results["modes"]["fill"]["payload_bytes"] == results["modes"]["fill"]["ready_payload_bytes"]
     assert "| cast-bf16 |" in (tmp_path / "produce.md").read_text()
+
+
+def test_the_sharded_refit_benchmark_runs_side_by_side(tmp_path: Path) -> None:
+    """``python -m benchmarks.sharded`` in a tiny configuration: both refits verified in their
+    warm-up, each sharded rank received exactly its kept bytes, fewer than the full refit's."""
+    from benchmarks.sharded import main
+
+    tiny = ["--hidden", "64", "--intermediate", "32", "--experts", "4", "--layers", "1", "--vocab", "128"]
+    assert main([*tiny, "--bucket-size", "32KiB", "--reps", "1", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "sharded.json").read_text())
+    assert results["summary"]["sharded"]["received_bytes_per_rank"] == results["kept_bytes_per_rank"]
+    assert results["summary"]["full"]["received_bytes_per_rank"] == [results["model_bytes"]] * 2
+    assert 0 < results["bytes_ratio"] < 1 and results["time_ratio"] > 0
+    assert "| sharded |" in (tmp_path / "sharded.md").read_text()

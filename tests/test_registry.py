@@ -319,7 +319,7 @@ def test_list_backends_details_shipped() -> None:
     json.dumps([info.to_dict() for info in infos.values()])  # plain data, for `ckpt-engine list --json`
     gloo = infos["gloo_cpu"]
     assert gloo.capabilities is not None and gloo.capabilities.devices == ("cpu",)
-    assert set(gloo.capabilities.topologies) == {"broadcast", "paired"}
+    assert set(gloo.capabilities.topologies) == {"broadcast", "paired", "fanout"}
     assert gloo.unavailable_reason is None
     nccl = infos["nccl"]
     assert nccl.loads and nccl.capabilities is not None and nccl.capabilities.devices == ("cuda",)

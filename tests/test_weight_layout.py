@@ -255,3 +255,100 @@ def test_paired_gloo_ranks_owning_half_the_experts_receive_their_parts_bit_exact
                     assert kept_bytes < 0.6 * full_bytes  # half the experts and attention, not the model
         finally:
             coordinator.finalize()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "full"])
+def test_one_policy_rank_fans_out_each_rollout_rank_its_own_parts(sharded: bool) -> None:
+    """1 policy -> 2 rollout processes over gloo_cpu with topology='fanout' (one trainer
+    feeding a tensor-parallel-2 rollout): each rollout rank gets a stream of its own with only
+    its parts (or, without layouts, the whole model each), checked digest by digest against
+    what its stream carried, three refits in a row."""
+    from ckpt_core.orchestration.coordinator import RefitCoordinator
+    from ckpt_core.orchestration.local import LocalProcessPool
+    from ckpt_core.orchestration.worker import refit_worker_specs
+
+    shapes = moe_shapes()
+    layouts = [sharded_layout(shapes, rank, 2) for rank in range(2)]
+    specs, labels = refit_worker_specs(
+        backend="gloo_cpu",
+        num_policy=1,
+        num_rollout=2,
+        bucket_size=BUCKET,
+        engine_kwargs={"topology": "fanout", "shard_expert_weights": sharded},
+        weights="ckpt_core.testing.weights:tiny_moe",
+        weights_params=MOE,
+    )
+    if sharded:
+        for rank, layout in enumerate(layouts):
+            specs[1 + rank]["weight_layout"] = layout.to_json()
+    full_bytes = 2 * sum(torch.Size(s).numel() for s in shapes.values())
+    with LocalProcessPool(specs, labels=labels) as pool:
+        coordinator = RefitCoordinator(pool, num_policy=1, num_rollout=2, timeout_s=60, topology="fanout")
+        coordinator.setup()
+        try:
+            for _ in range(3):
+                report = coordinator.refit()  # raises unless every digest matches its stream's
+                for rank, result in enumerate(report.rollout):
+                    expected = 2 * layouts[rank].received_elements() if sharded else full_bytes
+                    assert result["stats"]["payload_bytes"] == expected
+                sent = report.policy[0]["stats"]["payload_bytes"]
+                assert sent == sum(r["stats"]["payload_bytes"] for r in report.rollout)
+        finally:
+            coordinator.finalize()
+
+
+def test_a_fanout_refit_whose_weights_fail_aborts_every_stream() -> None:
+    """The weights generator raising mid-refit fails the sender with that error and every
+    rollout rank with the sender's abort, each naming it; the engines are set up again after."""
+    import asyncio
+    import threading
+
+    from ckpt_core.registry import create_checkpoint_engine
+
+    shapes = moe_shapes()
+    layouts = [sharded_layout(shapes, rank, 2).to_json() for rank in range(2)]
+    options = {"topology": "fanout", "shard_expert_weights": True, "timeout_s": 30.0}
+    policy = create_checkpoint_engine("gloo_cpu", bucket_size_bytes=BUCKET, engine_kwargs=options)
+    rollouts = [create_checkpoint_engine("gloo_cpu", bucket_size_bytes=BUCKET, engine_kwargs=options) for _ in range(2)]
+    metadata = [policy.prepare(), *({**r.prepare(), "weight_layout": layouts[i]} for i, r in enumerate(rollouts))]
+    sizes: dict[str, Any] = {"train_world_size": 1, "rollout_world_size": 2, "metadata": metadata}
+    threads = [
+        threading.Thread(target=r.init_rollout_process_group, kwargs={"rollout_rank": i, **sizes})
+        for i, r in enumerate(rollouts)
+    ]
+    for thread in threads:
+        thread.start()
+    policy.init_policy_process_group(worker_rank=0, **sizes)
+    for thread in threads:
+        thread.join(30)
+    errors: dict[int, BaseException] = {}
+
+    def receive(rank: int) -> None:
+        async def run() -> None:
+            async for _ in rollouts[rank].receive_weight_batches():
+                pass
+
+        try:
+            asyncio.run(run())
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors[rank] = exc
+
+    def weights() -> Any:
+        for count, item in enumerate(tiny_moe(MOE, refit_index=0, rank=0)):
+            if count == 20:
+                raise RuntimeError("the trainer's gather failed")
+            yield item
+
+    receivers = [threading.Thread(target=receive, args=(rank,)) for rank in range(2)]
+    for thread in receivers:
+        thread.start()
+    with pytest.raises(RuntimeError, match="the trainer's gather failed"):
+        asyncio.run(policy.send_weights(weights()))
+    for thread in receivers:
+        thread.join(30)
+    assert set(errors) == {0, 1}
+    for exc in errors.values():
+        assert isinstance(exc, RemoteRefitError) and "the trainer's gather failed" in str(exc)
+    for engine in (policy, *rollouts):
+        engine.finalize()

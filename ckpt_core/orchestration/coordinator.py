@@ -78,7 +78,7 @@ class RefitCoordinator:
     """Drives prepare -> init -> refits -> finalize over a pool of ``RefitWorker`` services.
 
     ``topology`` tells which policy rank feeds which rollout rank for verification
-    (``"broadcast"``: policy 0 feeds all; ``"paired"``: policy i feeds rollout i).
+    (``"broadcast"`` and ``"fanout"``: policy 0 feeds all; ``"paired"``: policy i feeds rollout i).
     ``timeout_s`` bounds each lifecycle step as a whole.
     """
 
@@ -169,6 +169,12 @@ class RefitCoordinator:
     def _source_rank(self, rollout_rank: int) -> int:
         return rollout_rank if self.topology == "paired" else 0
 
+    def _sent_to(self, policy: list[dict[str, Any]], rollout_rank: int) -> dict[str, Any]:
+        """What the sender of ``rollout_rank`` sent it (``tensors``, ``digests``): its own
+        record, or, for a sender with a stream per destination, that destination's part."""
+        source = policy[self._source_rank(rollout_rank)]
+        return source.get("by_destination", {}).get(str(rollout_rank), source)
+
     def _check_counts(self, index: int, policy: list[dict[str, Any]], rollout: list[dict[str, Any]]) -> None:
         """Every rollout rank must report as many tensors as its sender pulled from its weights."""
         failures = [
@@ -176,10 +182,10 @@ class RefitCoordinator:
                 f"rollout rank {rank}",
                 "VerificationError",
                 f"received {result['tensors']} tensors, its sender (policy rank {self._source_rank(rank)}) "
-                f"sent {policy[self._source_rank(rank)]['tensors']}",
+                f"sent {self._sent_to(policy, rank)['tensors']}",
             )
             for rank, result in enumerate(rollout)
-            if result["tensors"] != policy[self._source_rank(rank)]["tensors"]
+            if result["tensors"] != self._sent_to(policy, rank)["tensors"]
         ]
         if failures:
             self._ready = False
@@ -188,7 +194,7 @@ class RefitCoordinator:
     def _check_digests(self, index: int, policy: list[dict[str, Any]], rollout: list[dict[str, Any]]) -> None:
         failures = []
         for rank, result in enumerate(rollout):
-            source = policy[self._source_rank(rank)]["digests"]
+            source = self._sent_to(policy, rank)["digests"]
             got = result["digests"]
             if source and not got:
                 failures.append(

@@ -118,6 +118,7 @@ class RefitWorker:
         ``weights``/``weights_params`` replace the worker's weights factory for this refit.
         """
         start = time.perf_counter()
+        by_destination: dict[str, dict[str, Any]] = {}  # a policy's, with a stream per destination
         if self.role == "policy":
             factory = load_target(weights) if weights else self.weights
             params = self.weights_params if weights_params is None else weights_params
@@ -127,14 +128,24 @@ class RefitWorker:
             wall = time.perf_counter() - start
             count = source.count
             # Digests of what was sent, computed after the send so they are not in its timing:
-            # with a destination layout, of the parts the destination keeps.
-            sent: Iterable[tuple[str, torch.Tensor]] = factory(params, refit_index=refit_index, rank=self.rank)
-            layout = self._destination_layout()
-            if layout is not None:
-                sent = select_weights(sent, layout, destination="the destination")
-                stats = getattr(self.engine, "last_stats", None)
-                count = stats.tensors if stats is not None else count
-            result_digests = digests(sent) if self.verify else {}
+            # with destination layouts, of the parts each destination keeps.
+            layouts = self._destination_layouts()
+            result_digests = {}  # with a stream per destination, each one's are in by_destination
+            if not layouts:
+                sent = factory(params, refit_index=refit_index, rank=self.rank)
+                result_digests = digests(sent) if self.verify else {}
+            for destination, layout in layouts.items():
+                sent = select_weights(
+                    factory(params, refit_index=refit_index, rank=self.rank), layout, destination="the destination"
+                )
+                by_destination[destination] = {
+                    "digests": digests(sent) if self.verify else {},
+                    "tensors": sum(kept.kept for kept in layout.weights.values()),
+                }
+            if len(layouts) == 1:  # one stream (to one rank, or the same parts to several)
+                (only,) = by_destination.values()
+                result_digests, count = only["digests"], only["tensors"]
+                by_destination = {}
         elif self.load_weights is not None or getattr(self.engine, "borrow_received_tensors", False):
             # Borrowed tensors are valid only until the next batch: digest them on arrival.
             loaded = asyncio.run(self._receive_into(self.load_weights or _drop))
@@ -154,16 +165,23 @@ class RefitWorker:
             "stats": stats.to_dict() if stats is not None else None,
             "tensors": count,
             "digests": result_digests,
+            "by_destination": by_destination,
             "peak_rss_bytes": peak_rss_bytes(),
             "weight_version": self.weight_version,  # the last committed before this refit
         }
 
-    def _destination_layout(self) -> WeightLayout | None:
-        """The ckpt-engine layout the engine selects by, if any (see :mod:`ckpt_core.layout`)."""
+    def _destination_layouts(self) -> dict[str, WeightLayout]:
+        """The ckpt-engine layouts the engine selects by (see :mod:`ckpt_core.layout`): ``{}``
+        for none, ``{"*": layout}`` for one stream, ``{"<rollout rank>": layout}`` for a
+        stream per destination."""
         if not getattr(self.engine, "shard_expert_weights", False):
-            return None
+            return {}
         layout = self.engine.get_target_weight_layout()
-        return WeightLayout.from_json(layout) if is_ckpt_layout(layout) else None
+        if is_ckpt_layout(layout):
+            return {"*": WeightLayout.from_json(layout)}
+        if isinstance(layout, dict) and layout and all(is_ckpt_layout(v) for v in layout.values()):
+            return {rank: WeightLayout.from_json(v) for rank, v in layout.items()}
+        return {}
 
     async def _receive(self) -> dict[str, torch.Tensor]:
         received: dict[str, torch.Tensor] = {}

@@ -21,13 +21,14 @@ import enum
 import functools
 import inspect
 import uuid
-from collections.abc import AsyncGenerator, Callable, Generator, Iterator
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
 
 from ckpt_core._internal.agreement import AGREED_KEY, check_metadata_agreement
 from ckpt_core._internal.checksum import payload_checksum
+from ckpt_core._internal.fanout import Destination, send_refit_each
 from ckpt_core._internal.host_memory import release_host_pool
 from ckpt_core._internal.pipeline import Checksum, receive_refit, send_refit
 from ckpt_core._internal.wire import FORMAT_VERSION
@@ -40,7 +41,7 @@ from ckpt_core.errors import (
     WireFormatError,
 )
 from ckpt_core.hooks import RefitNotifier
-from ckpt_core.layout import WeightLayout, check_layouts, is_ckpt_layout, select_weights
+from ckpt_core.layout import LayoutSelector, WeightLayout, check_layouts, is_ckpt_layout, select_weights
 from ckpt_core.registry import check_engine_kwargs
 from ckpt_core.stats import RefitStats, Role
 from ckpt_core.transport.interfaces import BucketReceiver, BucketSender
@@ -163,10 +164,13 @@ class BucketedEngine(CheckpointEngine):
         self.borrow_received_tensors = check_bool(owner, "borrow_received_tensors", borrow_received_tensors)
         self._target_layout: dict[str, Any] | None = None
         self._send_direct = True  # False once a rollout this policy serves borrows (init)
-        self._selection: tuple[WeightLayout, str] | None = None  # (layout, destination) with a ckpt layout
+        # With ckpt-engine layouts: destination rollout rank -> (its layout, how messages name it).
+        self._selection: dict[int, tuple[WeightLayout, str]] = {}
+        self.last_stats_by_destination: dict[int, RefitStats] = {}
+        """With a stream per destination: each destination's statistics of the last refit."""
         self._state = _State.NEW
         self._engine_id = ""
-        self._sender: BucketSender | None = None
+        self._sender: BucketSender | Mapping[int, BucketSender] | None = None
         self._receiver: BucketReceiver | None = None
         self._rank = -1
         self._refit_index = 0
@@ -184,9 +188,11 @@ class BucketedEngine(CheckpointEngine):
     @abc.abstractmethod
     def _connect_policy(
         self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
-    ) -> BucketSender | None:
+    ) -> BucketSender | Mapping[int, BucketSender] | None:
         """Connect to this policy rank's receivers within ``timeout_s``; ``None`` for a rank
-        that sends to no one (its weights are drained at every refit)."""
+        that sends to no one (its weights are drained at every refit). Where
+        ``_separate_streams()`` says so: a sender per destination rollout rank, each then sent
+        a stream of its own (with ckpt-engine layouts, its own parts)."""
 
     @abc.abstractmethod
     def _connect_rollout(
@@ -202,6 +208,11 @@ class BucketedEngine(CheckpointEngine):
         """Hand cached memory back to the system (``finalize()`` with ``release_after_refit``);
         engines with device buffers also empty their device's cache."""
         release_host_pool()
+
+    def _separate_streams(self) -> bool:
+        """Whether ``_connect_policy`` returns a sender per destination rollout rank (a mapping),
+        so that each destination can be sent a stream of its own. Default: one sender."""
+        return False
 
     def _destinations(self, worker_rank: int, train_world_size: int, rollout_world_size: int) -> list[int]:
         """The rollout ranks policy rank ``worker_rank`` sends to; by default policy rank 0
@@ -276,7 +287,7 @@ class BucketedEngine(CheckpointEngine):
             self._refit_index = 0
             self._busy = False
             self._target_layout = None
-            self._selection = None
+            self._selection = {}
             self._generation += 1
             if self.release_after_refit:
                 self._release_cached_memory()
@@ -300,7 +311,7 @@ class BucketedEngine(CheckpointEngine):
     ) -> dict[str, Any] | None:
         """The layout ``get_target_weight_layout()`` returns, checked before connecting; with a
         ckpt-engine layout (:mod:`ckpt_core.layout`), also what ``send_weights`` selects by."""
-        self._selection = None
+        self._selection = {}
         if not self.shard_expert_weights:
             return None
         owner = type(self).__name__
@@ -316,34 +327,56 @@ class BucketedEngine(CheckpointEngine):
                     "shard_expert_weights=True; or turn shard_expert_weights off on every worker"
                 )
             layouts.append(layout)
-        if any(layout != layouts[0] for layout in layouts[1:]):
+        differ = any(layout != layouts[0] for layout in layouts[1:])
+        ckpt_format = bool(layouts) and is_ckpt_layout(layouts[0])
+        if differ and not (ckpt_format and self._separate_streams()):
             raise EngineOptionError(
                 f"{owner}: policy rank {worker_rank} sends the same bytes to rollout ranks {destinations}, "
                 "but their weight layouts differ, so no one selection of weights fits them all: use a "
-                "topology in which each policy rank feeds one rollout rank (topology='paired'), or "
-                "shard_expert_weights=False"
+                "topology in which each policy rank feeds one rollout rank (topology='paired'), one that "
+                "sends each rollout rank a stream of its own with ckpt-engine layouts (topology='fanout'), "
+                "or shard_expert_weights=False"
             )
-        if destinations and is_ckpt_layout(layouts[0]):
-            self._selection = self._checked_selection(train_world_size, rollout_world_size, metadata, destinations)
+        if ckpt_format:
+            parsed = self._checked_layouts(train_world_size, rollout_world_size, metadata)
+            if self._separate_streams():
+                self._selection = {rank: (parsed[rank], f"rollout rank {rank}") for rank in destinations}
+            else:  # one stream for every destination: their layouts are equal
+                label = f"rollout rank {destinations[0]}" if len(destinations) == 1 else f"rollout ranks {destinations}"
+                self._selection = {destinations[0]: (parsed[destinations[0]], label)}
+        if differ:  # several destinations, each with its own layout
+            return {str(rank): layout for rank, layout in zip(destinations, layouts)}
         return layouts[0] if layouts else None
 
-    def _checked_selection(
-        self, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]], destinations: list[int]
-    ) -> tuple[WeightLayout, str]:
-        """Every rollout rank's ckpt-engine layout, checked together (each one alone, then that
-        they describe one model and lose nothing); what this policy rank selects by."""
+    def _checked_layouts(
+        self, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> dict[int, WeightLayout]:
+        """Every rollout rank's ckpt-engine layout, checked together: each one alone, then that
+        they describe one model and lose nothing."""
         owner = type(self).__name__
         parsed = {}
         for rank in range(rollout_world_size):
             layout = metadata[train_world_size + rank].get("weight_layout")
             parsed[rank] = WeightLayout.from_json(layout, owner=f"{owner}: rollout rank {rank}'s weight_layout")
         check_layouts(parsed, owner=owner)
-        rank = destinations[0]
-        return parsed[rank], f"rollout rank {rank}" if len(destinations) == 1 else f"rollout ranks {destinations}"
+        return parsed
+
+    def _destination_streams(self, senders: Mapping[int, BucketSender]) -> dict[int, Destination]:
+        """One stream per destination sender, each selecting by its destination's layout."""
+        streams = {}
+        for rank, sender in senders.items():
+            chosen = self._selection.get(rank)
+            if chosen is None:
+                streams[rank] = Destination(sender, lambda name, tensor: tensor)
+            else:
+                selector = LayoutSelector(chosen[0], destination=chosen[1])
+                streams[rank] = Destination(sender, selector.select, selector.finish)
+        return streams
 
     def _drop_transport(self) -> None:
         try:
-            for end in (self._sender, self._receiver):
+            senders = list(self._sender.values()) if isinstance(self._sender, Mapping) else [self._sender]
+            for end in (*senders, self._receiver):
                 if end is not None:
                     end.close()
             self._release_transport()
@@ -382,20 +415,32 @@ class BucketedEngine(CheckpointEngine):
                 return
             notifier = RefitNotifier(self.backend_name, "policy", self._rank)
             generation = self._generation
-            if self._selection is not None:
-                layout, destination = self._selection
-                weights = select_weights(weights, layout, destination=destination)
+            options: dict[str, Any] = {
+                "bucket_size": self.bucket_size,
+                "checksum": self._payload_checksum(),
+                "direct": self._send_direct,
+            }
+            context = notifier.context(self._refit_index)
             try:
-                self.last_stats = await send_refit(
-                    weights,
-                    self._sender,
-                    bucket_size=self.bucket_size,
-                    context=notifier.context(self._refit_index),
-                    notifier=notifier,
-                    timeout_s=self.timeout_s,
-                    checksum=self._payload_checksum(),
-                    direct=self._send_direct,
-                )
+                if isinstance(self._sender, Mapping):  # a stream per destination, each its own part
+                    per_destination = await send_refit_each(
+                        weights,
+                        self._destination_streams(self._sender),
+                        send=send_refit,
+                        context=context,
+                        notifier=notifier,
+                        timeout_s=self.timeout_s,
+                        **options,
+                    )
+                    self.last_stats_by_destination = per_destination
+                    self.last_stats = RefitStats.combined(per_destination.values())
+                else:
+                    if self._selection:
+                        layout, destination = next(iter(self._selection.values()))
+                        weights = select_weights(weights, layout, destination=destination)
+                    self.last_stats = await send_refit(
+                        weights, self._sender, context=context, notifier=notifier, timeout_s=self.timeout_s, **options
+                    )
             except BaseException as exc:
                 self._raise_if_cut_off(generation, "send_weights()", exc)
                 self._fail()

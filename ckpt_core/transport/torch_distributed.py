@@ -57,7 +57,7 @@ from ckpt_core.transport.engine import BucketedEngine
 from ckpt_core.transport.interfaces import BucketReceiver, BucketSender, bucket_buffers
 from ckpt_core.transport.options import check_choice
 
-TOPOLOGIES = ("broadcast", "paired")
+TOPOLOGIES = ("broadcast", "paired", "fanout")
 _FRAME_TAG, _HEADER_REST_TAG, _PAYLOAD_TAG = 1, 2, 3
 
 HEADER_FRAME_BYTES = 64 << 10
@@ -237,7 +237,10 @@ class DistributedEngine(BucketedEngine):
     off, since on a host refit it takes a large share of the time (docs/reliability.md); turn it
     on across hosts or to debug a transport, and subclasses with a cheaper checksum default it
     on), ``topology``
-    (``"broadcast"`` or ``"paired"``), ``host`` (the address this worker binds and advertises;
+    (``"broadcast"``: policy rank 0 to every rollout rank, one stream; ``"paired"``: policy
+    rank i to rollout rank i; ``"fanout"``: policy rank 0 to every rollout rank, each over a
+    pair of its own and sent a stream of its own, so that with destination layouts each
+    receives only its parts), ``host`` (the address this worker binds and advertises;
     default ``127.0.0.1``; set it to the node's address for multi-node runs, or to ``"auto"``
     where every worker gets the same options: see :mod:`ckpt_core._internal.node_address`),
     ``auth_token``
@@ -468,6 +471,9 @@ class DistributedEngine(BucketedEngine):
                 "topology='broadcast' instead."
             )
 
+    def _separate_streams(self) -> bool:
+        return self.topology == "fanout"
+
     def _destinations(self, worker_rank: int, train_world_size: int, rollout_world_size: int) -> list[int]:
         if self.topology == "paired":
             return [worker_rank] if worker_rank < rollout_world_size else []
@@ -475,17 +481,23 @@ class DistributedEngine(BucketedEngine):
 
     def _connect_policy(
         self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
-    ) -> BucketSender | None:
+    ) -> BucketSender | dict[int, BucketSender] | None:
         self._check_topology(train_world_size, rollout_world_size)
         members = _identities(train_world_size, rollout_world_size)
         identity = f"policy rank {worker_rank}"
         store = self._connect_store(metadata, identity, members, (train_world_size, rollout_world_size))
         with self._reporting_failure(store, identity):
-            sender = None
+            sender: BucketSender | dict[int, BucketSender] | None = None
             if self.topology == "broadcast":
                 if worker_rank == 0:
                     peers = f"rollout ranks 0..{rollout_world_size - 1}"
                     sender = self._new_sender(self._make_link(store, "broadcast", 0, rollout_world_size + 1, peers))
+            elif self.topology == "fanout":
+                if worker_rank == 0:
+                    sender = {
+                        rank: self._new_sender(self._make_link(store, f"fan{rank}", 0, 2, f"rollout rank {rank}"))
+                        for rank in range(rollout_world_size)
+                    }
             elif worker_rank < rollout_world_size:
                 link = self._make_link(store, f"pair{worker_rank}", 0, 2, f"rollout rank {worker_rank}")
                 sender = self._new_sender(link)
@@ -502,6 +514,8 @@ class DistributedEngine(BucketedEngine):
         with self._reporting_failure(store, identity):
             if self.topology == "broadcast":
                 link = self._make_link(store, "broadcast", rollout_rank + 1, rollout_world_size + 1, "policy rank 0")
+            elif self.topology == "fanout":
+                link = self._make_link(store, f"fan{rollout_rank}", 1, 2, "policy rank 0")
             else:
                 link = self._make_link(store, f"pair{rollout_rank}", 1, 2, f"policy rank {rollout_rank}")
             receiver = self._new_receiver(link)

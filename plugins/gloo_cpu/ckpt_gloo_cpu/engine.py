@@ -15,7 +15,7 @@ class GlooCpuCheckpointEngine(DistributedEngine):
 
     Options: ``bucket_size`` (bytes), ``device`` (where the bucket buffers and received
     tensors live: ``"cpu"``, the only value; accepted because NeMo RL passes it), ``topology``
-    (``"broadcast"`` | ``"paired"``), ``host`` (address to bind and advertise, default
+    (``"broadcast"`` | ``"paired"`` | ``"fanout"``), ``host`` (address to bind and advertise, default
     ``127.0.0.1``; ``"auto"``: this node's own), ``timeout_s`` (every wait, default 300), ``checksum`` (default off:
     measured, not cheap), ``auth_token``, ``release_after_refit``, ``shard_expert_weights``.
     See :class:`ckpt_core.transport.torch_distributed.DistributedEngine`.
@@ -25,7 +25,7 @@ class GlooCpuCheckpointEngine(DistributedEngine):
     device_type: ClassVar[str] = "cpu"
     capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
         devices=("cpu",),
-        topologies=("broadcast", "paired"),
+        topologies=("broadcast", "paired", "fanout"),
         placements=("colocated", "disaggregated"),
     )
 

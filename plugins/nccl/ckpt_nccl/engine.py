@@ -121,7 +121,7 @@ class NcclCheckpointEngine(DistributedEngine):
 
     def _connect_policy(
         self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
-    ) -> BucketSender | None:
+    ) -> BucketSender | dict[int, BucketSender] | None:
         self._check_link(metadata, "policy", worker_rank, train_world_size, rollout_world_size)
         return super()._connect_policy(worker_rank, train_world_size, rollout_world_size, metadata)
 

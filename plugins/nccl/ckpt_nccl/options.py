@@ -14,7 +14,11 @@ from typing import Any
 import torch
 
 from ckpt_core.errors import EngineOptionError
-from ckpt_core.transport import MAX_TIMEOUT_S, TOPOLOGIES, check_bool, check_choice, check_positive_number
+from ckpt_core.transport import MAX_TIMEOUT_S, check_bool, check_choice, check_positive_number
+
+NCCL_TOPOLOGIES = ("broadcast", "paired")
+"""DistributedEngine's topologies but ``"fanout"`` (a communicator per destination: not yet
+tested on GPUs)."""
 
 _CUDA_DEVICE = re.compile(r"cuda(?::(\d+))?")
 
@@ -80,7 +84,7 @@ def check_options(
         raise EngineOptionError(f"{owner}: host must be a non-empty address string, got {host!r}")
     return NcclOptions(
         bucket_size=bucket_size,
-        topology=check_choice(owner, "topology", topology, TOPOLOGIES),
+        topology=check_choice(owner, "topology", topology, NCCL_TOPOLOGIES),
         host=host,
         timeout_s=check_positive_number(owner, "timeout_s", timeout_s, MAX_TIMEOUT_S),
         checksum=check_bool(owner, "checksum", checksum),

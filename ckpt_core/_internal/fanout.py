@@ -1,0 +1,184 @@
+"""One policy rank sending a stream of its own to each of several rollout ranks.
+
+Where a transport reaches each destination separately (``_connect_policy`` returned a sender
+per rollout rank), every destination gets its own refit: its own buckets, carrying what its
+layout keeps. The weights generator is still consumed once, on the calling thread (it may run
+collectives or CUDA work that belongs there): a dispatcher hands each weight's selection to
+every destination's stream through a bounded queue, and each stream runs the ordinary
+:func:`~ckpt_core._internal.pipeline.send_refit` on a thread of its own, so the streams
+progress together and a slow destination holds back only the dispatcher's next hand-over.
+
+Failure of any part fails all of it: a generator or layout error is passed to every stream,
+which aborts its refit (its receiver sees ``RemoteRefitError``); a stream that fails stops the
+dispatcher, and the others are aborted the same way. Every wait is bounded by ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from ckpt_core.errors import TransferTimeoutError
+from ckpt_core.hooks import RefitNotifier
+from ckpt_core.stats import RefitContext, RefitStats
+from ckpt_core.transport.interfaces import BucketSender
+
+Select = Callable[[str, torch.Tensor], "torch.Tensor | None"]
+"""What one destination keeps of a weight (``None``: nothing)."""
+
+_DONE = object()
+_POLL_S = 0.05
+
+
+@dataclasses.dataclass
+class Destination:
+    """One destination stream: its sender, what it selects, and (``finish``) a check run
+    once the weights are exhausted (a layout's "named but never yielded")."""
+
+    sender: BucketSender
+    select: Select
+    finish: Callable[[], None] = lambda: None
+
+
+class _Stream:
+    """One destination's send thread and the queue that feeds it."""
+
+    def __init__(self, rank: int, destination: Destination, timeout_s: float) -> None:
+        self.rank = rank
+        self.destination = destination
+        self.timeout_s = timeout_s
+        self.queue: queue.Queue[object] = queue.Queue(maxsize=2)
+        self.error: BaseException | None = None
+        self.stats: RefitStats | None = None
+        self.thread: threading.Thread | None = None
+
+    def weights(self) -> Generator[tuple[str, torch.Tensor], None, None]:
+        while True:
+            try:
+                item = self.queue.get(timeout=self.timeout_s)
+            except queue.Empty:
+                raise TransferTimeoutError(
+                    f"rollout rank {self.rank}'s stream: no weight from the dispatcher within "
+                    f"timeout_s={self.timeout_s:g}s"
+                ) from None
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            assert isinstance(item, tuple)
+            yield item
+
+    def hand_over(self, item: object, *, deadline: float) -> None:
+        """Queue ``item`` for the stream; raises the stream's own error if it failed."""
+        while True:
+            if self.error is not None:
+                raise self.error
+            try:
+                self.queue.put(item, timeout=_POLL_S)
+                return
+            except queue.Full:
+                if time.monotonic() > deadline:
+                    raise TransferTimeoutError(
+                        f"rollout rank {self.rank}'s stream took no weight within timeout_s={self.timeout_s:g}s"
+                    ) from None
+
+    def abort(self, exc: BaseException) -> None:
+        """Make the stream fail with ``exc`` (if it still runs): its receiver hears the abort."""
+        try:
+            self.queue.put_nowait(exc)
+        except queue.Full:
+            try:  # drop a pending weight: the refit is void anyway
+                self.queue.get_nowait()
+                self.queue.put_nowait(exc)
+            except (queue.Empty, queue.Full):
+                pass
+
+
+async def send_refit_each(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    destinations: Mapping[int, Destination],
+    *,
+    send: Callable[..., Coroutine[Any, Any, RefitStats]],
+    context: RefitContext,
+    notifier: RefitNotifier,
+    timeout_s: float,
+    **send_options: Any,
+) -> dict[int, RefitStats]:
+    """Send one refit to every destination (rollout rank -> :class:`Destination`), each its
+    own stream through ``send`` (:func:`~ckpt_core._internal.pipeline.send_refit`, given
+    ``send_options``); returns each destination's statistics."""
+    streams = [_Stream(rank, destination, timeout_s) for rank, destination in destinations.items()]
+    for stream in streams:
+        stream.thread = threading.Thread(
+            target=_run_stream,
+            args=(stream, send, context, notifier, timeout_s, send_options),
+            name=f"ckpt-refit-to-rollout-{stream.rank}",
+            daemon=True,
+        )
+        stream.thread.start()
+    try:
+        for name, tensor in weights:
+            deadline = time.monotonic() + timeout_s
+            for stream in streams:
+                selected = stream.destination.select(name, tensor)
+                if selected is not None:
+                    stream.hand_over((name, selected), deadline=deadline)
+            await asyncio.sleep(0)  # the caller's event loop breathes between weights
+        for stream in streams:
+            stream.destination.finish()
+        for stream in streams:
+            stream.hand_over(_DONE, deadline=time.monotonic() + timeout_s)
+    except BaseException as exc:
+        for stream in streams:
+            stream.abort(exc)
+        _join(streams, timeout_s)
+        raise
+    _join(streams, timeout_s)
+    errors = [stream.error for stream in streams if stream.error is not None]
+    if errors:
+        for stream in streams:
+            stream.abort(errors[0])
+        raise errors[0]
+    return {stream.rank: stream.stats for stream in streams if stream.stats is not None}
+
+
+def _run_stream(
+    stream: _Stream,
+    send: Callable[..., Coroutine[Any, Any, RefitStats]],
+    context: RefitContext,
+    notifier: RefitNotifier,
+    timeout_s: float,
+    send_options: dict[str, Any],
+) -> None:
+    try:
+        stats = asyncio.run(
+            send(
+                stream.weights(),
+                stream.destination.sender,
+                context=context,
+                notifier=notifier,
+                timeout_s=timeout_s,
+                **send_options,
+            )
+        )
+        stream.stats = stats
+    except BaseException as exc:  # noqa: BLE001 - handed to the dispatcher
+        stream.error = exc
+
+
+def _join(streams: list[_Stream], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s + 5.0
+    for stream in streams:
+        assert stream.thread is not None
+        stream.thread.join(max(0.0, deadline - time.monotonic()))
+        if stream.thread.is_alive() and stream.error is None:
+            stream.error = TransferTimeoutError(
+                f"rollout rank {stream.rank}'s stream did not finish within timeout_s={timeout_s:g}s"
+            )
