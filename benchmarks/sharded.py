@@ -1,7 +1,8 @@
 """``python -m benchmarks.sharded``: a sharded refit against a full one, side by side in one run.
 
-Two policy processes feed a tensor-parallel-2 rollout (``gloo_cpu``, topology ``paired``:
-policy rank i -> rollout rank i, as NeMo RL pairs a trainer's ranks with vLLM's). The weights
+A tensor-parallel-2 rollout over ``gloo_cpu`` is fed by two policy processes (``--topology
+paired``: policy rank i -> rollout rank i, as NeMo RL pairs a trainer's ranks with vLLM's) or by
+one (``fanout``: one trainer, a stream of its own to each rollout rank). The weights
 are a mixture-of-experts decoder (:func:`ckpt_core.testing.weights.tiny_moe`, sized by
 ``--hidden``/``--experts``/``--layers``), ready in each policy process's memory. Two pools run
 at once, refits alternating: *full*, every rollout rank receiving every tensor, and
@@ -11,7 +12,7 @@ moves only what it keeps. Each refit is checked tensor by tensor (digests) once,
 
 Reports medians of refit time and each rank's received bytes, and the issue's ratios: time
 sharded / full (goal <= 0.6) and bytes sharded / full against 0.55 + the replicated share.
-Writes ``sharded.json`` and ``sharded.md`` into ``--out``.
+Writes ``sharded_<topology>.json`` and ``.md`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -68,15 +69,20 @@ def tp_layout(shapes: dict[str, tuple[int, ...]], rank: int) -> WeightLayout:
 
 
 def open_pool(
-    stack: contextlib.ExitStack, params: dict[str, Any], bucket_size: int, layouts: list[WeightLayout] | None
+    stack: contextlib.ExitStack,
+    params: dict[str, Any],
+    bucket_size: int,
+    topology: str,
+    layouts: list[WeightLayout] | None,
 ) -> RefitCoordinator:
-    """Four RefitWorker processes (2 policy, 2 rollout) set up; ``layouts``: sharded."""
-    engine_kwargs: dict[str, Any] = {"topology": "paired", "timeout_s": 120.0}
+    """RefitWorker processes (policy ranks, then the TP rollout ranks) set up; ``layouts``: sharded."""
+    num_policy = TP if topology == "paired" else 1
+    engine_kwargs: dict[str, Any] = {"topology": topology, "timeout_s": 120.0}
     if layouts is not None:
         engine_kwargs["shard_expert_weights"] = True
     specs, labels = refit_worker_specs(
         backend="gloo_cpu",
-        num_policy=TP,
+        num_policy=num_policy,
         num_rollout=TP,
         bucket_size=bucket_size,
         engine_kwargs=engine_kwargs,
@@ -84,10 +90,10 @@ def open_pool(
         weights_params=params,
     )
     for rank, layout in enumerate(layouts or []):
-        specs[TP + rank]["weight_layout"] = layout.to_json()
+        specs[num_policy + rank]["weight_layout"] = layout.to_json()
     tag = "sharded" if layouts else "full"
     pool = stack.enter_context(LocalProcessPool(specs, labels=[f"{tag}-{label}" for label in labels], env=worker_env()))
-    coordinator = RefitCoordinator(pool, num_policy=TP, num_rollout=TP, timeout_s=300.0, topology="paired")
+    coordinator = RefitCoordinator(pool, num_policy=num_policy, num_rollout=TP, timeout_s=300.0, topology=topology)
     coordinator.setup()
     stack.callback(coordinator.finalize)
     return coordinator
@@ -100,7 +106,7 @@ def timed_refit(coordinator: RefitCoordinator) -> tuple[float, list[int]]:
     return seconds, [int(r["stats"]["payload_bytes"]) for r in report.rollout]
 
 
-def run(params: dict[str, Any], bucket_size: int, reps: int) -> dict[str, Any]:
+def run(params: dict[str, Any], bucket_size: int, reps: int, topology: str) -> dict[str, Any]:
     shapes = {name: tuple(t.shape) for name, t in tiny_moe(params, refit_index=0, rank=0)}
     model_bytes = 2 * sum(torch.Size(s).numel() for s in shapes.values())
     layouts = [tp_layout(shapes, rank) for rank in range(TP)]
@@ -112,8 +118,8 @@ def run(params: dict[str, Any], bucket_size: int, reps: int) -> dict[str, Any]:
     rows: dict[str, list[dict[str, Any]]] = {"full": [], "sharded": []}
     with contextlib.ExitStack() as stack:
         opened = {
-            "full": open_pool(stack, params, bucket_size, None),
-            "sharded": open_pool(stack, params, bucket_size, layouts),
+            "full": open_pool(stack, params, bucket_size, topology, None),
+            "sharded": open_pool(stack, params, bucket_size, topology, layouts),
         }
         for coordinator in opened.values():  # warm-up, verified tensor by tensor
             coordinator.refit()
@@ -133,6 +139,7 @@ def run(params: dict[str, Any], bucket_size: int, reps: int) -> dict[str, Any]:
     full_bytes = max(summary["full"]["received_bytes_per_rank"])
     sharded_bytes = max(summary["sharded"]["received_bytes_per_rank"])
     return {
+        "topology": topology,
         "model": params,
         "model_bytes": model_bytes,
         "replicated_bytes": replicated,
@@ -151,7 +158,7 @@ def report_table(r: dict[str, Any]) -> str:
     mib = 1 << 20
     return "\n".join(
         [
-            f"Sharded vs full refit, gloo_cpu paired 2 -> TP-2 rollout: a {r['model_bytes'] / mib:.0f} MiB MoE "
+            f"Sharded vs full refit, gloo_cpu {r['topology']} -> TP-2 rollout: a {r['model_bytes'] / mib:.0f} MiB MoE "
             f"({r['model']}), {r['bucket_size'] / mib:g} MiB buckets; medians of {len(r['reps']['full'])} "
             "alternating refits.",
             "",
@@ -178,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--bucket-size", type=parse_size, default=32 << 20)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--topology", choices=("paired", "fanout"), default="fanout")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
     params = {
@@ -188,11 +196,12 @@ def main(argv: list[str] | None = None) -> int:
         "layers": args.layers,
         "vocab": args.vocab,
     }
-    results = run(params, args.bucket_size, args.reps)
+    results = run(params, args.bucket_size, args.reps, args.topology)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sharded.json").write_text(json.dumps(results, indent=2) + "\n")
+    stem = f"sharded_{args.topology}"
+    (args.out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     table = report_table(results)
-    (args.out / "sharded.md").write_text(table)
+    (args.out / f"{stem}.md").write_text(table)
     print(table)
     return 0
 

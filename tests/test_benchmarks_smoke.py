@@ -10,6 +10,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 # benchmarks/ is a top-level folder of the repository, not an installed package: importable
 # under `python -m pytest` from the root, and under a bare `pytest` thanks to this line.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -139,15 +141,17 @@ def test_the_producing_workload_runs_side_by_side(tmp_path: Path) -> None:
     assert "| cast-bf16 |" in (tmp_path / "produce.md").read_text()
 
 
-def test_the_sharded_refit_benchmark_runs_side_by_side(tmp_path: Path) -> None:
+@pytest.mark.parametrize("topology", ["paired", "fanout"])
+def test_the_sharded_refit_benchmark_runs_side_by_side(topology: str, tmp_path: Path) -> None:
     """``python -m benchmarks.sharded`` in a tiny configuration: both refits verified in their
     warm-up, each sharded rank received exactly its kept bytes, fewer than the full refit's."""
     from benchmarks.sharded import main
 
     tiny = ["--hidden", "64", "--intermediate", "32", "--experts", "4", "--layers", "1", "--vocab", "128"]
-    assert main([*tiny, "--bucket-size", "32KiB", "--reps", "1", "--out", str(tmp_path)]) == 0
-    results = json.loads((tmp_path / "sharded.json").read_text())
+    args = [*tiny, "--bucket-size", "32KiB", "--reps", "1", "--topology", topology, "--out", str(tmp_path)]
+    assert main(args) == 0
+    results = json.loads((tmp_path / f"sharded_{topology}.json").read_text())
     assert results["summary"]["sharded"]["received_bytes_per_rank"] == results["kept_bytes_per_rank"]
     assert results["summary"]["full"]["received_bytes_per_rank"] == [results["model_bytes"]] * 2
     assert 0 < results["bytes_ratio"] < 1 and results["time_ratio"] > 0
-    assert "| sharded |" in (tmp_path / "sharded.md").read_text()
+    assert "| sharded |" in (tmp_path / f"sharded_{topology}.md").read_text()
