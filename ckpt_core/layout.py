@@ -109,10 +109,11 @@ class WeightLayout:
         """Parse and check a layout; ``WeightLayoutError`` naming the weight otherwise."""
         if not isinstance(data, Mapping):
             raise WeightLayoutError(f"{owner}: a layout is a mapping, got {type(data).__name__}")
-        if data.get("format") != LAYOUT_FORMAT or data.get("version") != LAYOUT_VERSION:
+        version = data.get("version")
+        if data.get("format") != LAYOUT_FORMAT or type(version) is not int or version != LAYOUT_VERSION:
             raise WeightLayoutError(
                 f"{owner}: expected format {LAYOUT_FORMAT!r} version {LAYOUT_VERSION}, got format "
-                f"{data.get('format')!r} version {data.get('version')!r}"
+                f"{data.get('format')!r} version {version!r}"
             )
         unknown = sorted(set(data) - {"format", "version", "weights"})
         if unknown:
@@ -153,6 +154,8 @@ def slices(shape: Sequence[int], dim: int, parts: Iterable[tuple[int, int]]) -> 
 
 def even_shard(shape: Sequence[int], dim: int, rank: int, world_size: int) -> KeptWeight:
     """Rank ``rank``'s share of ``world_size`` equal shards along ``dim`` (the size must divide)."""
+    if not 0 <= rank < world_size or not 0 <= dim < len(shape):
+        raise WeightLayoutError(f"rank {rank} of {world_size}, dimension {dim} of shape {list(shape)}: out of range")
     size = shape[dim]
     if size % world_size:
         raise WeightLayoutError(f"dimension {dim} of size {size} does not split into {world_size} equal shards")
@@ -164,6 +167,8 @@ def check_layouts(layouts: Mapping[int, WeightLayout], *, owner: str) -> None:
     """Check the layouts of every rollout rank (rank -> layout) together: the same weight
     names with the same shapes, and every element of every weight kept by some rank."""
     ranks = sorted(layouts)
+    if not ranks:
+        raise WeightLayoutError(f"{owner}: no rollout rank's layout to check")
     first = layouts[ranks[0]]
     for rank in ranks[1:]:
         other = layouts[rank]
@@ -195,6 +200,8 @@ class LayoutSelector:
     def select(self, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
         """The part of weight ``name`` the destination keeps (``None``: nothing);
         ``WeightLayoutError`` if the layout does not name it or names it with another shape."""
+        if name in self._seen:
+            raise WeightLayoutError(f"the sender yields weight {name!r} twice in one refit; names must be unique")
         kept = self.layout.weights.get(name)
         if kept is None:
             raise WeightLayoutError(

@@ -87,7 +87,7 @@ def test_nothing_in_the_library_imports_the_seed_module() -> None:
 
 INTEGRATION_SOURCES = [REPO / "integrations" / "vllm" / "ckpt_vllm"]
 # What an integration may import from the core: the consumer's contract, the registry,
-# errors, statistics, host memory release and the orchestration layer; never the internals or
+# errors, statistics, host memory release, destination layouts and the orchestration layer; never the internals or
 # a transport's stack.
 INTEGRATION_API = (
     "ckpt_core.contract",
@@ -95,6 +95,7 @@ INTEGRATION_API = (
     "ckpt_core.errors",
     "ckpt_core.stats",
     "ckpt_core.memory",
+    "ckpt_core.layout",
     "ckpt_core.orchestration",
 )
 

@@ -165,6 +165,11 @@ def test_a_rank_receives_exactly_its_parts_bit_exact_and_its_bytes_only() -> Non
     assert [n for n, _ in got] == [n for n, _ in expected]
     for (name, tensor), (_, want) in zip(got, expected):
         assert same_bits(tensor, want), name
+    # ...and independently of the selection code: the o_proj columns, second half first.
+    o_proj = dict(tiny_moe(MOE, refit_index=1, rank=0))["model.layers.1.self_attn.o_proj.weight"]
+    assert same_bits(
+        dict(got)["model.layers.1.self_attn.o_proj.weight"], torch.cat([o_proj[:, 32:], o_proj[:, :32]], 1)
+    )
     assert (
         rollout.last_stats is not None
         and rollout.last_stats.payload_bytes == 2 * WeightLayout(complete).received_elements()
@@ -298,19 +303,24 @@ def test_one_policy_rank_fans_out_each_rollout_rank_its_own_parts(sharded: bool)
             coordinator.finalize()
 
 
-def test_a_fanout_refit_whose_weights_fail_aborts_every_stream() -> None:
-    """The weights generator raising mid-refit fails the sender with that error and every
-    rollout rank with the sender's abort, each naming it; the engines are set up again after."""
+@pytest.mark.parametrize("fault", ["weights_raise", "rollout_lost"])
+def test_a_failed_fanout_refit_aborts_every_stream(fault: str) -> None:
+    """The weights generator raising mid-refit, or one rollout rank going away: the sender
+    fails with that error and every other rollout rank with the sender's abort naming it,
+    never with a complete refit; no send thread outlives the call."""
     import asyncio
     import threading
 
     from ckpt_core.registry import create_checkpoint_engine
 
-    shapes = moe_shapes()
+    big = {**MOE, "hidden": 256, "intermediate": 128}  # more than the sockets buffer
+    shapes = moe_shapes(big)
     layouts = [sharded_layout(shapes, rank, 2).to_json() for rank in range(2)]
     options = {"topology": "fanout", "shard_expert_weights": True, "timeout_s": 30.0}
-    policy = create_checkpoint_engine("gloo_cpu", bucket_size_bytes=BUCKET, engine_kwargs=options)
-    rollouts = [create_checkpoint_engine("gloo_cpu", bucket_size_bytes=BUCKET, engine_kwargs=options) for _ in range(2)]
+    policy = create_checkpoint_engine("gloo_cpu", bucket_size_bytes=64 << 10, engine_kwargs=options)
+    rollouts = [
+        create_checkpoint_engine("gloo_cpu", bucket_size_bytes=64 << 10, engine_kwargs=options) for _ in range(2)
+    ]
     metadata = [policy.prepare(), *({**r.prepare(), "weight_layout": layouts[i]} for i, r in enumerate(rollouts))]
     sizes: dict[str, Any] = {"train_world_size": 1, "rollout_world_size": 2, "metadata": metadata}
     threads = [
@@ -322,33 +332,44 @@ def test_a_fanout_refit_whose_weights_fail_aborts_every_stream() -> None:
     policy.init_policy_process_group(worker_rank=0, **sizes)
     for thread in threads:
         thread.join(30)
-    errors: dict[int, BaseException] = {}
+        assert not thread.is_alive()
+    outcomes: dict[int, BaseException | None] = {}
 
     def receive(rank: int) -> None:
         async def run() -> None:
             async for _ in rollouts[rank].receive_weight_batches():
-                pass
+                if fault == "rollout_lost" and rank == 1:
+                    rollouts[1].finalize()  # its connection closes under the sender
+                    return
 
         try:
             asyncio.run(run())
+            outcomes[rank] = None
         except BaseException as exc:  # noqa: BLE001 - checked below
-            errors[rank] = exc
+            outcomes[rank] = exc
 
     def weights() -> Any:
-        for count, item in enumerate(tiny_moe(MOE, refit_index=0, rank=0)):
-            if count == 20:
+        for count, item in enumerate(tiny_moe(big, refit_index=0, rank=0)):
+            if fault == "weights_raise" and count == 20:
                 raise RuntimeError("the trainer's gather failed")
             yield item
 
+    before = threading.active_count()
     receivers = [threading.Thread(target=receive, args=(rank,)) for rank in range(2)]
     for thread in receivers:
         thread.start()
-    with pytest.raises(RuntimeError, match="the trainer's gather failed"):
+    with pytest.raises(Exception) as sent:
         asyncio.run(policy.send_weights(weights()))
     for thread in receivers:
-        thread.join(30)
-    assert set(errors) == {0, 1}
-    for exc in errors.values():
-        assert isinstance(exc, RemoteRefitError) and "the trainer's gather failed" in str(exc)
+        thread.join(60)
+        assert not thread.is_alive()
+    assert threading.active_count() <= before, "a send thread outlived the refit"
+    healthy = [0, 1] if fault == "weights_raise" else [0]
+    cause = "the trainer's gather failed" if fault == "weights_raise" else type(sent.value).__name__
+    if fault == "weights_raise":
+        assert isinstance(sent.value, RuntimeError)
+    for rank in healthy:
+        assert isinstance(outcomes[rank], RemoteRefitError), outcomes[rank]
+        assert cause in str(outcomes[rank])
     for engine in (policy, *rollouts):
         engine.finalize()

@@ -8,9 +8,14 @@ every destination's stream through a bounded queue, and each stream runs the ord
 :func:`~ckpt_core._internal.pipeline.send_refit` on a thread of its own, so the streams
 progress together and a slow destination holds back only the dispatcher's next hand-over.
 
-Failure of any part fails all of it: a generator or layout error is passed to every stream,
-which aborts its refit (its receiver sees ``RemoteRefitError``); a stream that fails stops the
-dispatcher, and the others are aborted the same way. Every wait is bounded by ``timeout_s``.
+Failure of any part fails all of it, and no stream is told its refit is complete while another
+failed: a generator or layout error, or a stream's own failure (a lost rollout), is passed to
+every stream still running, which aborts its refit (its receiver sees ``RemoteRefitError``
+naming the cause). Every wait is bounded by ``timeout_s``. Observers hear the refit start and
+end once, on the caller's thread; bucket events of every stream are passed on there too, with
+bucket indices counted within each stream. A destination whose layout keeps nothing of a long
+run of weights waits for its next one; each wait is bounded by ``timeout_s``, so a layout
+must not starve a rank for longer than that.
 """
 
 from __future__ import annotations
@@ -35,6 +40,34 @@ Select = Callable[[str, torch.Tensor], "torch.Tensor | None"]
 
 _DONE = object()
 _POLL_S = 0.05
+
+
+class _RefitAborted(Exception):
+    """Raised inside a healthy stream when the refit failed elsewhere (the weights, a layout
+    check, another stream). Not a ``TransferError``: ``send_refit`` then posts an abort header,
+    so this stream's receiver hears the refit is void (``RemoteRefitError`` naming the cause)."""
+
+
+class _StreamNotifier(RefitNotifier):
+    """A stream's notifier: the refit's start and end are announced once, by the dispatcher on
+    the caller's thread; a stream's bucket events are queued for the dispatcher to pass on,
+    on that thread too (hooks run on the worker's own thread)."""
+
+    def __init__(self, parent: RefitNotifier, events: queue.SimpleQueue[tuple[RefitContext, int, int, int]]) -> None:
+        super().__init__(parent.backend, parent.role, parent.rank)
+        self._events = events
+
+    def started(self, context: RefitContext) -> None:
+        pass
+
+    def finished(self, context: RefitContext, stats: RefitStats) -> None:
+        pass
+
+    def failed(self, context: RefitContext, error: BaseException) -> None:
+        pass
+
+    def bucket_sent(self, context: RefitContext, bucket_index: int, nbytes: int, num_chunks: int) -> None:
+        self._events.put((context, bucket_index, nbytes, num_chunks))
 
 
 @dataclasses.dataclass
@@ -71,7 +104,7 @@ class _Stream:
             if item is _DONE:
                 return
             if isinstance(item, BaseException):
-                raise item
+                raise _RefitAborted(f"the refit was aborted: {type(item).__name__}: {item}") from item
             assert isinstance(item, tuple)
             yield item
 
@@ -115,10 +148,13 @@ async def send_refit_each(
     own stream through ``send`` (:func:`~ckpt_core._internal.pipeline.send_refit`, given
     ``send_options``); returns each destination's statistics."""
     streams = [_Stream(rank, destination, timeout_s) for rank, destination in destinations.items()]
+    events: queue.SimpleQueue[tuple[RefitContext, int, int, int]] = queue.SimpleQueue()
+    stream_notifier = _StreamNotifier(notifier, events)
+    notifier.started(context)
     for stream in streams:
         stream.thread = threading.Thread(
             target=_run_stream,
-            args=(stream, send, context, notifier, timeout_s, send_options),
+            args=(stream, send, context, stream_notifier, timeout_s, send_options),
             name=f"ckpt-refit-to-rollout-{stream.rank}",
             daemon=True,
         )
@@ -130,23 +166,44 @@ async def send_refit_each(
                 selected = stream.destination.select(name, tensor)
                 if selected is not None:
                     stream.hand_over((name, selected), deadline=deadline)
+            _raise_first_error(streams)  # a failed stream fails the refit before the next weight
+            _pass_on(events, notifier)
             await asyncio.sleep(0)  # the caller's event loop breathes between weights
         for stream in streams:
             stream.destination.finish()
+        _raise_first_error(streams)  # no stream is told the refit is complete if one failed
         for stream in streams:
             stream.hand_over(_DONE, deadline=time.monotonic() + timeout_s)
+        _join(streams, timeout_s)
+        _raise_first_error(streams)
     except BaseException as exc:
         for stream in streams:
             stream.abort(exc)
-        _join(streams, timeout_s)
+        # A stream's abort may wait on its slots (each wait bounded by timeout_s) before it
+        # posts the abort header: give it that long before the caller drops the transport.
+        _join(streams, 3 * timeout_s)
+        _pass_on(events, notifier)
+        notifier.failed(context, exc)
         raise
-    _join(streams, timeout_s)
-    errors = [stream.error for stream in streams if stream.error is not None]
-    if errors:
-        for stream in streams:
-            stream.abort(errors[0])
-        raise errors[0]
-    return {stream.rank: stream.stats for stream in streams if stream.stats is not None}
+    _pass_on(events, notifier)
+    per_destination = {stream.rank: stream.stats for stream in streams if stream.stats is not None}
+    notifier.finished(context, RefitStats.combined(per_destination.values()))
+    return per_destination
+
+
+def _raise_first_error(streams: list[_Stream]) -> None:
+    for stream in streams:
+        if stream.error is not None:
+            raise stream.error
+
+
+def _pass_on(events: queue.SimpleQueue[tuple[RefitContext, int, int, int]], notifier: RefitNotifier) -> None:
+    while True:
+        try:
+            context, bucket_index, nbytes, num_chunks = events.get_nowait()
+        except queue.Empty:
+            return
+        notifier.bucket_sent(context, bucket_index, nbytes, num_chunks)
 
 
 def _run_stream(

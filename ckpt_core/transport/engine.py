@@ -295,8 +295,10 @@ class BucketedEngine(CheckpointEngine):
     def get_target_weight_layout(self) -> dict[str, Any] | None:
         """With ``shard_expert_weights``: the ``"weight_layout"`` of the rollout worker this
         policy worker sends to (``None`` for a policy worker that sends to none and drains its
-        weights). Without it: ``None``. ``LayoutUnavailableError`` before
-        ``init_policy_process_group``, which is where the layout arrives."""
+        weights); where it sends each of several rollout ranks a stream of its own and their
+        ckpt-engine layouts differ (topology ``"fanout"``), ``{"<rollout rank>": layout}``.
+        Without it: ``None``. ``LayoutUnavailableError`` before ``init_policy_process_group``,
+        which is where the layout arrives."""
         if not self.shard_expert_weights:
             return None
         if self._state is not _State.POLICY:
@@ -421,6 +423,7 @@ class BucketedEngine(CheckpointEngine):
                 "direct": self._send_direct,
             }
             context = notifier.context(self._refit_index)
+            self.last_stats_by_destination = {}
             try:
                 if isinstance(self._sender, Mapping):  # a stream per destination, each its own part
                     per_destination = await send_refit_each(
