@@ -33,10 +33,12 @@ import torch
 
 from ckpt_core.contract import CheckpointEngine
 from ckpt_core.errors import LifecycleError
+from ckpt_core.layout import WeightLayout
 from ckpt_core.memory import limit_host_pool
 from ckpt_core.orchestration.protocol import error_reply
 from ckpt_core.orchestration.workload import tensor_digest
 from ckpt_core.registry import create_checkpoint_engine, resolve_backend
+from ckpt_vllm.layout import checkpoint_parameter_bytes, derive_weight_layout, full_weight
 from ckpt_vllm.loading import is_view_of_larger_storage, load_streamed_weights, own_pending_weights
 from ckpt_vllm.memory import (
     GROWTH_ALLOWANCE_BYTES,
@@ -62,6 +64,7 @@ class _RankState:
     current: bool = True  # the weights vLLM loaded at start-up are a consistent model
     loaded_refit: int | None = None  # refit index loaded completely, awaiting commit
     heap_trimmed: bool = False  # the last refit handed its freed heap back as it ended
+    layout: WeightLayout | None = None  # what this rank keeps, when the trainer sends shards
     last_error: str | None = None
 
     def status(self, rank: int) -> dict[str, Any]:
@@ -159,10 +162,17 @@ class CkptEngineWorkerExtension:
     @_replying
     def ckpt_engine_prepare(self) -> Any:
         """``engine.prepare()``, with this worker's rollout ``rank`` added to dict metadata (as
-        NeMo RL's vLLM workers do, so an orchestrator can order the entries)."""
-        metadata = self._ckpt_engine().engine.prepare()
+        NeMo RL's vLLM workers do, so an orchestrator can order the entries). With
+        ``shard_expert_weights`` in the engine options, also this rank's ``weight_layout``,
+        derived from the live model (:func:`ckpt_vllm.layout.derive_weight_layout`): the
+        trainer's engine then sends this rank only the shards it keeps."""
+        state = self._ckpt_engine()
+        metadata = state.engine.prepare()
         if isinstance(metadata, dict):
             metadata = {**metadata, "rank": self._ckpt_engine_rollout_rank()}
+            if state.engine_kwargs.get("shard_expert_weights"):
+                state.layout = derive_weight_layout(self.model_runner.get_model())
+                metadata["weight_layout"] = state.layout.to_json()
         return metadata
 
     @_replying
@@ -261,6 +271,8 @@ class CkptEngineWorkerExtension:
                         lent.add(tensor.untyped_storage().data_ptr())
                     if state.verify:
                         tally.digests[name] = tensor_digest(tensor)
+                    if state.layout is not None and name in state.layout.weights:
+                        tensor = full_weight(tensor, state.layout.weights[name])  # where vLLM reads it
                     yield name, tensor
                     del tensor
                 if lent:  # before the next batch refills the buffers these tensors view
@@ -286,8 +298,11 @@ class CkptEngineWorkerExtension:
 
     @_replying
     def ckpt_engine_status(self) -> dict[str, Any]:
-        """``{"rank", "weight_version", "current", "last_error", "rss_bytes"}`` of this rank."""
-        return self._ckpt_engine().status(self._ckpt_engine_rollout_rank())
+        """``{"rank", "weight_version", "current", "last_error", "rss_bytes",
+        "parameter_bytes"}`` of this rank (``parameter_bytes``: its parameters in checkpoint
+        format, the shards it keeps and what it replicates)."""
+        status = self._ckpt_engine().status(self._ckpt_engine_rollout_rank())
+        return {**status, "parameter_bytes": checkpoint_parameter_bytes(self.model_runner.get_model())}
 
     @_replying
     def ckpt_engine_reset(self) -> dict[str, Any]:

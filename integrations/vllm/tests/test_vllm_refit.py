@@ -198,3 +198,34 @@ def test_a_bad_weight_is_a_clear_error_and_never_reported_current(
         assert greedy_tokens(rollout.generate) == reference_tokens[0]
     finally:
         rollout.finalize()
+
+
+def test_a_sharded_refit_sends_each_rank_only_its_shards(
+    tp: int, refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
+) -> None:
+    """One trainer feeding every tensor-parallel rank a stream of its own (gloo_cpu fanout),
+    each rank's layout derived from its live model: three refits in a row generate what fresh
+    engines loaded from W_k do, and each rank receives its own parameters' bytes (its shards
+    and what it replicates), not the model's."""
+    if tp == 1:
+        pytest.skip("a single rank keeps every weight whole: nothing to shard")
+    options = {"shard_expert_weights": True, "topology": "fanout"}
+    rollout = VllmRollout(refitted_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET, engine_kwargs=options)
+    try:
+        layouts = None
+        with trainer_pool(checkpoints["start"], "gloo_cpu", **options) as trainer:
+            set_up(trainer, rollout)
+            for k in range(REFITS):
+                train(trainer)
+                sent, reports = refit(trainer, rollout)
+                assert sent.ok and not isinstance(reports, Exception), reports
+                assert greedy_tokens(rollout.generate) == reference_tokens[k], f"tokens differ after refit {k + 1}"
+                held = [s["parameter_bytes"] for s in rollout.status()]
+                received = [r["stats"]["payload_bytes"] for r in reports]
+                for rank, (got, own) in enumerate(zip(received, held)):
+                    assert abs(got - own) <= 0.01 * own, f"rank {rank} received {got} bytes, holds {own}"
+                layouts = received
+        model_bytes = sum(p.stat().st_size for p in checkpoints["weights"][0].glob("*.safetensors"))
+        assert layouts is not None and max(layouts) < 0.75 * model_bytes  # half of most weights, not all
+    finally:
+        rollout.finalize()
