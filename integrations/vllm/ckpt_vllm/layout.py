@@ -8,8 +8,11 @@ vocabulary ranges, as vLLM's loaders use them) and from the checkpoint-format sh
 recorded for reloading, and writes it as a destination layout (:mod:`ckpt_core.layout`), so
 that the trainer's engine sends this rank only its shards.
 
-A module of a kind not listed here is kept whole: it then arrives entire and vLLM's own loader
-takes its part, as without a layout (correct, without the saving). :func:`full_weight` puts a
+Mixture-of-experts layers (vLLM's ``RoutedExperts``) are described in Hugging Face's per-expert
+naming (``experts.<e>.{gate,up,down}_proj.weight``): each rank keeps its tensor-parallel share of
+the experts it holds and nothing of the others. A module of a kind not listed here is kept
+whole: it then arrives entire and vLLM's own loader takes its part, as without a layout
+(correct, without the saving). :func:`full_weight` puts a
 received shard back where vLLM's loader reads it: vLLM's loaders take the full checkpoint
 tensor and cut their shard themselves.
 """
@@ -20,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ckpt_core.layout import KeptWeight, WeightLayout, slices, whole
+from ckpt_core.layout import KeptWeight, WeightLayout, nothing, slices, whole
 
 
 def derive_weight_layout(model: torch.nn.Module) -> WeightLayout:
@@ -32,6 +35,9 @@ def derive_weight_layout(model: torch.nn.Module) -> WeightLayout:
     packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
     weights: dict[str, KeptWeight] = {}
     for module_name, module in model.named_modules():
+        if type(module).__name__ == "RoutedExperts":
+            weights.update(_expert_weights(module_name, module))
+            continue
         # Checkpoint-format shapes as vLLM recorded them at load (before post-load processing
         # repacked weights); a parameter registered after that (a bias) has its shape still.
         recorded, _ = get_layerwise_info(module).restore_metadata
@@ -123,6 +129,31 @@ def _fused_part(module: Any, index: int, param_name: str, shape: tuple[int, ...]
         rows = full_rows // tp_size
         return slices((full_rows, *shape[1:]), 0, [(tp_rank * rows, rows)])
     raise NotImplementedError(f"fused module {type(module).__name__} has no known layout")
+
+
+def _expert_weights(module_name: str, module: Any) -> dict[str, KeptWeight]:
+    """A mixture-of-experts layer's routed experts, in Hugging Face checkpoint naming
+    (``<prefix>.<expert>.{gate,up,down}_proj.weight``): every rank keeps its tensor-parallel
+    share of the experts it holds (rows of gate/up, columns of down), nothing of the others."""
+    prefix = module_name.removesuffix(".routed_experts")
+    parallel = module.moe_config.moe_parallel_config
+    tp_rank, tp_size = int(parallel.tp_rank), int(parallel.tp_size)
+    rows = int(module.intermediate_size_per_partition)
+    hidden = int(module.hidden_size)
+    full = rows * tp_size
+    is_local = getattr(getattr(module, "expert_map_manager", None), "is_local_expert", lambda expert: True)
+    weights: dict[str, KeptWeight] = {}
+    for expert in range(int(module.global_num_experts)):
+        names = {f"{prefix}.{expert}.{proj}.weight": proj for proj in ("gate_proj", "up_proj", "down_proj")}
+        for name, proj in names.items():
+            shape = (hidden, full) if proj == "down_proj" else (full, hidden)
+            if not is_local(expert):
+                weights[name] = nothing(shape)
+            elif tp_size == 1:
+                weights[name] = whole(shape)
+            else:
+                weights[name] = slices(shape, 1 if proj == "down_proj" else 0, [(tp_rank * rows, rows)])
+    return weights
 
 
 def _fused_rows(module: Any) -> list[int]:
