@@ -264,11 +264,16 @@ def test_paired_gloo_ranks_owning_half_the_experts_receive_their_parts_bit_exact
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "full"])
-def test_one_policy_rank_fans_out_each_rollout_rank_its_own_parts(sharded: bool) -> None:
-    """1 policy -> 2 rollout processes over gloo_cpu with topology='fanout' (one trainer
-    feeding a tensor-parallel-2 rollout): each rollout rank gets a stream of its own with only
-    its parts (or, without layouts, the whole model each), checked digest by digest against
-    what its stream carried, three refits in a row."""
+@pytest.mark.parametrize(
+    ("backend", "options"), [("gloo_cpu", {}), ("cuda_ipc", {"device": "cpu"})], ids=["gloo_cpu", "cuda_ipc_cpu"]
+)
+def test_one_policy_rank_fans_out_each_rollout_rank_its_own_parts(
+    backend: str, options: dict[str, Any], sharded: bool
+) -> None:
+    """1 policy -> 2 rollout processes with topology='fanout' (one trainer feeding a
+    tensor-parallel-2 rollout; cuda_ipc: a pair of shared slots per rollout rank): each
+    rollout rank gets a stream of its own with only its parts (or, without layouts, the whole
+    model each), checked digest by digest against what its stream carried, three refits."""
     from ckpt_core.orchestration.coordinator import RefitCoordinator
     from ckpt_core.orchestration.local import LocalProcessPool
     from ckpt_core.orchestration.worker import refit_worker_specs
@@ -276,11 +281,11 @@ def test_one_policy_rank_fans_out_each_rollout_rank_its_own_parts(sharded: bool)
     shapes = moe_shapes()
     layouts = [sharded_layout(shapes, rank, 2) for rank in range(2)]
     specs, labels = refit_worker_specs(
-        backend="gloo_cpu",
+        backend=backend,
         num_policy=1,
         num_rollout=2,
         bucket_size=BUCKET,
-        engine_kwargs={"topology": "fanout", "shard_expert_weights": sharded},
+        engine_kwargs={**options, "topology": "fanout", "shard_expert_weights": sharded},
         weights="ckpt_core.testing.weights:tiny_moe",
         weights_params=MOE,
     )

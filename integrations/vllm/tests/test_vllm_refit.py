@@ -200,20 +200,21 @@ def test_a_bad_weight_is_a_clear_error_and_never_reported_current(
         rollout.finalize()
 
 
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
 def test_a_sharded_refit_sends_each_rank_only_its_shards(
-    tp: int, refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
+    backend: str, tp: int, refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
 ) -> None:
-    """One trainer feeding every tensor-parallel rank a stream of its own (gloo_cpu fanout),
+    """One trainer feeding every tensor-parallel rank a stream of its own (topology fanout),
     each rank's layout derived from its live model: three refits in a row generate what fresh
     engines loaded from W_k do, and each rank receives its own parameters' bytes (its shards
     and what it replicates), not the model's."""
     if tp == 1:
         pytest.skip("a single rank keeps every weight whole: nothing to shard")
-    options = {"shard_expert_weights": True, "topology": "fanout"}
-    rollout = VllmRollout(refitted_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET, engine_kwargs=options)
+    options = {**BACKENDS[backend], "shard_expert_weights": True, "topology": "fanout"}
+    rollout = VllmRollout(refitted_llm, backend=backend, bucket_size_bytes=BUCKET, engine_kwargs=options)
     try:
         layouts = None
-        with trainer_pool(checkpoints["start"], "gloo_cpu", **options) as trainer:
+        with trainer_pool(checkpoints["start"], backend, **options) as trainer:
             set_up(trainer, rollout)
             for k in range(REFITS):
                 train(trainer)

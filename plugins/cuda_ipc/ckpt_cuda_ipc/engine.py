@@ -43,6 +43,7 @@ from ckpt_core.transport import (
     BucketReceiver,
     BucketSender,
     Checksum,
+    check_choice,
     device_payload_checksum,
     payload_checksum,
 )
@@ -62,6 +63,7 @@ from .control import (
 from .transport import IpcReceiver, IpcSender
 
 NUM_SLOTS = 2
+TOPOLOGIES = ("broadcast", "fanout")
 _ROLLOUT_PEER = "policy rank 0"
 
 
@@ -106,6 +108,10 @@ class CudaIpcCheckpointEngine(BucketedEngine):
       (measured in the plugin README).
     * ``socket_dir``: where the private control directory is made (default: the system temp
       directory); must be short enough for a Unix socket path.
+    * ``topology``: ``"broadcast"`` (default: every rollout rank maps the same two slots and
+      reads the same bytes) or ``"fanout"`` (every rollout rank maps two slots of its own and
+      is sent a stream of its own: with destination layouts, only its parts; the policy then
+      holds two slots per rollout rank).
     * ``release_after_refit``, ``shard_expert_weights``: NeMo RL's, see
       :class:`ckpt_core.transport.interfaces.engine.BucketedEngine`. The slot buffers are shared with the peers of
       one ``init``, so ``finalize()`` always unmaps them; ``release_after_refit`` also empties
@@ -114,7 +120,7 @@ class CudaIpcCheckpointEngine(BucketedEngine):
 
     backend_name: ClassVar[str] = "cuda_ipc"
     capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
-        devices=("cpu", "cuda"), topologies=("broadcast",), placements=("colocated",)
+        devices=("cpu", "cuda"), topologies=TOPOLOGIES, placements=("colocated",)
     )
 
     @classmethod
@@ -136,11 +142,13 @@ class CudaIpcCheckpointEngine(BucketedEngine):
         timeout_s: float = 300.0,
         checksum: bool = False,
         socket_dir: str | None = None,
+        topology: str = "broadcast",
         release_after_refit: bool = False,
         shard_expert_weights: bool = False,
         borrow_received_tensors: bool = False,
     ) -> None:
         owner = type(self).__name__
+        self.topology = check_choice(owner, "topology", topology, TOPOLOGIES)
         reason = self.unavailable_reason()
         if reason:
             raise BackendUnavailableError(f"the cuda_ipc backend cannot run here: {reason}")
@@ -178,6 +186,12 @@ class CudaIpcCheckpointEngine(BucketedEngine):
                 f"{owner}: device={str(self.device)!r}, but only {count} CUDA device(s) are visible"
             )
         import_cupy()
+
+    def _separate_streams(self) -> bool:
+        return self.topology == "fanout"
+
+    def _agreed_settings(self) -> dict[str, Any]:
+        return {**super()._agreed_settings(), "topology": self.topology}
 
     def _buffer_device(self) -> torch.device:
         if self.device.type == "cuda" and self.device.index is None:
@@ -234,7 +248,7 @@ class CudaIpcCheckpointEngine(BucketedEngine):
 
     def _connect_policy(
         self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
-    ) -> BucketSender | None:
+    ) -> BucketSender | dict[int, BucketSender] | None:
         self._check_peers(train_world_size, metadata, moves_data=worker_rank == 0)
         if worker_rank != 0:
             self._close_listener()
@@ -244,15 +258,14 @@ class CudaIpcCheckpointEngine(BucketedEngine):
                 f"{type(self).__name__}: a failed init closed this worker's control socket; call "
                 "finalize(), then prepare() and init again on every worker"
             )
-        device = self._buffer_device()
-        slots: HostSlots | CudaSlots
+        ranks = range(rollout_world_size) if self.topology == "fanout" else [None]
+        slots: dict[int | None, HostSlots | CudaSlots] = {}
         try:
-            if device.type == "cpu":
-                slots = HostSlots.allocate(self.bucket_size, NUM_SLOTS)
-                self._host_slots.append(slots)
-            else:
-                slots = CudaSlots.allocate(device, self.bucket_size, NUM_SLOTS)
+            for rank in ranks:  # broadcast: one pair of slots for all; fanout: a pair per rank
+                slots[rank] = self._allocate_slots()
         except BaseException:
+            for allocated in slots.values():
+                allocated.close()
             self._close_listener()  # rollouts already connecting learn of the failure at once
             raise
         channels: list[Channel] = []
@@ -261,13 +274,31 @@ class CudaIpcCheckpointEngine(BucketedEngine):
         except BaseException:
             for channel in channels:
                 channel.close()
-            slots.close()
+            for allocated in slots.values():
+                allocated.close()
             raise
         finally:
             self._close_listener()
-        if isinstance(slots, HostSlots):
-            slots.release_fd()
-        return IpcSender(slots, channels, wait_for_peers_on_close=isinstance(slots, CudaSlots))
+        for allocated in slots.values():
+            if isinstance(allocated, HostSlots):
+                allocated.release_fd()
+        if self.topology == "fanout":
+            return {
+                rank: IpcSender(
+                    slots[rank], [channels[rank]], wait_for_peers_on_close=isinstance(slots[rank], CudaSlots)
+                )
+                for rank in range(rollout_world_size)
+            }
+        (shared,) = slots.values()
+        return IpcSender(shared, channels, wait_for_peers_on_close=isinstance(shared, CudaSlots))
+
+    def _allocate_slots(self) -> HostSlots | CudaSlots:
+        device = self._buffer_device()
+        if device.type == "cpu":
+            host = HostSlots.allocate(self.bucket_size, NUM_SLOTS)
+            self._host_slots.append(host)
+            return host
+        return CudaSlots.allocate(device, self.bucket_size, NUM_SLOTS)
 
     def _connect_rollout(
         self, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
@@ -374,7 +405,7 @@ class _Handshake:
     def __init__(
         self,
         engine: CudaIpcCheckpointEngine,
-        slots: HostSlots | CudaSlots,
+        slots: dict[int | None, HostSlots | CudaSlots],
         train_world_size: int,
         rollout_world_size: int,
         metadata: list[dict[str, Any]],
@@ -394,9 +425,9 @@ class _Handshake:
     def run(self) -> list[Channel]:
         try:
             self._gather()
-            description = self.slots.describe()
-            for _, channel in sorted(self.channels.items()):
-                self._welcome(channel, description)
+            shared = self.slots.get(None)  # broadcast: one pair of slots; fanout: one per rank
+            for rank, channel in sorted(self.channels.items()):
+                self._welcome(channel, shared if shared is not None else self.slots[rank])
             for _, channel in sorted(self.channels.items()):
                 kind, body = channel.recv(self.deadline, "waiting for it to map the shared buffers")
                 message = decode_json(body, channel.peer) if kind is Kind.CONTROL else {"type": kind.name}
@@ -515,10 +546,10 @@ class _Handshake:
             pass
         channel.close()
 
-    def _welcome(self, channel: Channel, description: dict[str, Any]) -> None:
-        message = {"type": "welcome", "buffers": description}
-        if isinstance(self.slots, HostSlots):
-            fd = self.slots.open_reader_fd()
+    def _welcome(self, channel: Channel, slots: HostSlots | CudaSlots) -> None:
+        message = {"type": "welcome", "buffers": slots.describe()}
+        if isinstance(slots, HostSlots):
+            fd = slots.open_reader_fd()
             try:
                 channel.send_json(message, self.deadline, "handing it the shared buffers", fds=[fd])
             finally:

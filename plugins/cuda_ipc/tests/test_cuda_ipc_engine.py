@@ -144,7 +144,7 @@ def sockets(tmp_path: Path) -> str:
 def test_declares_cpu_and_cuda_and_runs_here() -> None:
     assert CudaIpcCheckpointEngine.unavailable_reason() is None
     assert CudaIpcCheckpointEngine.capabilities.devices == ("cpu", "cuda")
-    assert CudaIpcCheckpointEngine.capabilities.topologies == ("broadcast",)
+    assert CudaIpcCheckpointEngine.capabilities.topologies == ("broadcast", "fanout")
     (info,) = [b for b in list_backends(details=True) if b.name == "cuda_ipc"]
     assert info.loads and info.unavailable_reason is None
 
@@ -169,7 +169,7 @@ def test_cuda_device_without_cuda_fails_at_construction(device: str) -> None:
         ({"socket_dir": "/nonexistent/dir"}, "socket_dir"),
         ({"socket_dir": "/tmp/" + "x" * 120}, "socket_dir"),
         ({"socket_dir": 5}, "socket_dir"),
-        ({"topology": "paired"}, "no option 'topology'"),
+        ({"topology": "paired"}, "topology must be one of 'broadcast', 'fanout'"),
     ],
 )
 def test_bad_options_are_refused_by_name(options: dict[str, Any], match: str) -> None:
