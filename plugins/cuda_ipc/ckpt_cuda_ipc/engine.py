@@ -153,6 +153,13 @@ class CudaIpcCheckpointEngine(BucketedEngine):
         if reason:
             raise BackendUnavailableError(f"the cuda_ipc backend cannot run here: {reason}")
         self.device = _parse_device(owner, device)
+        if self.topology == "fanout" and self.device.type == "cuda":
+            # Fanout packs on one thread per destination: those are not ordered after the CUDA
+            # stream the caller produced the weights on, and the path has not run on a GPU yet.
+            raise EngineOptionError(
+                f"{owner}: topology='fanout' is host-only for now (device='cpu'); with device={device!r} "
+                "use topology='broadcast'"
+            )
         if self.device.type == "cuda":
             self._check_cuda(owner)
         super().__init__(

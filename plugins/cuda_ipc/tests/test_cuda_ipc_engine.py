@@ -170,6 +170,7 @@ def test_cuda_device_without_cuda_fails_at_construction(device: str) -> None:
         ({"socket_dir": "/tmp/" + "x" * 120}, "socket_dir"),
         ({"socket_dir": 5}, "socket_dir"),
         ({"topology": "paired"}, "topology must be one of 'broadcast', 'fanout'"),
+        ({"topology": "fanout", "device": "cuda"}, "topology='fanout' is host-only for now"),
     ],
 )
 def test_bad_options_are_refused_by_name(options: dict[str, Any], match: str) -> None:
