@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from ckpt_core.cli import parse_size
-from ckpt_core.layout import KeptWeight, WeightLayout, even_shard, nothing, whole
+from ckpt_core.layout import WeightLayout
 from ckpt_core.orchestration.coordinator import RefitCoordinator
 from ckpt_core.orchestration.local import LocalProcessPool
 from ckpt_core.orchestration.worker import refit_worker_specs
-from ckpt_core.testing.weights import Weights, tiny_moe
+from ckpt_core.testing.weights import Weights, tiny_moe, tiny_moe_layout
 
 from .methods import worker_env
 
@@ -49,23 +49,6 @@ def ready_moe(params: dict[str, Any], *, refit_index: int, rank: int) -> Weights
     if version not in _READY:
         _READY[version] = list(tiny_moe(params, refit_index=version, rank=0))
     yield from _READY[version]
-
-
-def tp_layout(shapes: dict[str, tuple[int, ...]], rank: int) -> WeightLayout:
-    """What rollout rank ``rank`` of a TP-2 engine keeps: q/k/v rows and o_proj columns split,
-    expert e owned by rank e % 2, norms, router, embeddings and head replicated."""
-    weights: dict[str, KeptWeight] = {}
-    for name, shape in shapes.items():
-        if ".mlp.experts." in name:
-            expert = int(name.split(".mlp.experts.")[1].split(".")[0])
-            weights[name] = whole(shape) if expert % TP == rank else nothing(shape)
-        elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
-            weights[name] = even_shard(shape, 0, rank, TP)
-        elif name.endswith("o_proj.weight"):
-            weights[name] = even_shard(shape, 1, rank, TP)
-        else:
-            weights[name] = whole(shape)
-    return WeightLayout(weights)
 
 
 def open_pool(
@@ -88,9 +71,8 @@ def open_pool(
         engine_kwargs=engine_kwargs,
         weights="benchmarks.sharded:ready_moe",
         weights_params=params,
+        weight_layouts=[layout.to_json() for layout in layouts] if layouts else None,
     )
-    for rank, layout in enumerate(layouts or []):
-        specs[num_policy + rank]["weight_layout"] = layout.to_json()
     tag = "sharded" if layouts else "full"
     pool = stack.enter_context(LocalProcessPool(specs, labels=[f"{tag}-{label}" for label in labels], env=worker_env()))
     coordinator = RefitCoordinator(pool, num_policy=num_policy, num_rollout=TP, timeout_s=300.0, topology=topology)
@@ -109,7 +91,7 @@ def timed_refit(coordinator: RefitCoordinator) -> tuple[float, list[int]]:
 def run(params: dict[str, Any], bucket_size: int, reps: int, topology: str) -> dict[str, Any]:
     shapes = {name: tuple(t.shape) for name, t in tiny_moe(params, refit_index=0, rank=0)}
     model_bytes = 2 * sum(torch.Size(s).numel() for s in shapes.values())
-    layouts = [tp_layout(shapes, rank) for rank in range(TP)]
+    layouts = [tiny_moe_layout(shapes, rank, TP) for rank in range(TP)]
     replicated = 2 * sum(
         torch.Size(kept.shape).numel()
         for name, kept in layouts[0].weights.items()

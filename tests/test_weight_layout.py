@@ -17,17 +17,15 @@ import torch
 from ckpt_core.errors import RemoteRefitError, WeightLayoutError
 from ckpt_core.layout import (
     LAYOUT_FORMAT,
-    KeptWeight,
     WeightLayout,
     check_layouts,
-    even_shard,
     nothing,
     select_weights,
     slices,
     whole,
 )
 from ckpt_core.testing.memory import MemoryEngine, run_refit
-from ckpt_core.testing.weights import tiny_moe
+from ckpt_core.testing.weights import tiny_moe, tiny_moe_layout
 
 BUCKET = 16 << 10
 MOE: dict[str, Any] = {"seed": 3, "layers": 2, "experts": 4}
@@ -35,23 +33,6 @@ MOE: dict[str, Any] = {"seed": 3, "layers": 2, "experts": 4}
 
 def moe_shapes(params: dict[str, Any] = MOE) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in tiny_moe(params, refit_index=0, rank=0)}
-
-
-def sharded_layout(shapes: dict[str, tuple[int, ...]], rank: int, world_size: int) -> WeightLayout:
-    """Attention tensor-parallel, experts owned whole (expert e by rank e % world_size),
-    everything else replicated."""
-    weights: dict[str, KeptWeight] = {}
-    for name, shape in shapes.items():
-        if ".mlp.experts." in name:
-            expert = int(name.split(".mlp.experts.")[1].split(".")[0])
-            weights[name] = whole(shape) if expert % world_size == rank else nothing(shape)
-        elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
-            weights[name] = even_shard(shape, 0, rank, world_size)
-        elif name.endswith("o_proj.weight"):
-            weights[name] = even_shard(shape, 1, rank, world_size)
-        else:
-            weights[name] = whole(shape)
-    return WeightLayout(weights)
 
 
 def same_bits(a: torch.Tensor | None, b: torch.Tensor) -> bool:
@@ -79,7 +60,7 @@ def connected(layout: dict[str, Any], **options: Any) -> tuple[MemoryEngine, Mem
 
 def test_a_layout_round_trips_through_json_and_selects_its_parts() -> None:
     shapes = moe_shapes()
-    layout = sharded_layout(shapes, rank=1, world_size=2)
+    layout = tiny_moe_layout(shapes, rank=1, world_size=2)
     again = WeightLayout.from_json(layout.to_json())
     assert again == layout and again.to_json()["format"] == LAYOUT_FORMAT
     weights = dict(tiny_moe(MOE, refit_index=0, rank=0))
@@ -114,7 +95,7 @@ def test_a_malformed_entry_is_refused_naming_the_weight(entry: dict[str, Any], m
 
 def test_layouts_of_all_ranks_must_describe_one_model_and_lose_nothing() -> None:
     shapes = moe_shapes()
-    layouts = {rank: sharded_layout(shapes, rank, 2) for rank in range(2)}
+    layouts = {rank: tiny_moe_layout(shapes, rank, 2) for rank in range(2)}
     check_layouts(layouts, owner="test")  # the sharded pair covers everything
 
     name = "model.layers.1.self_attn.o_proj.weight"
@@ -148,7 +129,7 @@ def test_a_rank_receives_exactly_its_parts_bit_exact_and_its_bytes_only() -> Non
     """One rank keeping everything, but in a layout that reorders and slices: what arrives
     is each weight's selection, and the refit moves the kept bytes, not the model's."""
     shapes = moe_shapes()
-    layout = sharded_layout(shapes, rank=0, world_size=2)
+    layout = tiny_moe_layout(shapes, rank=0, world_size=2)
     # Make rank 0 the only destination: keep the other half too, in a different order.
     complete = {}
     for name, kept in layout.weights.items():
@@ -224,42 +205,51 @@ def test_a_bad_layout_is_refused_at_init_and_nemo_rl_layouts_pass_through() -> N
     rollout.finalize()
 
 
+def three_refits(
+    backend: str, engine_kwargs: dict[str, Any], num_policy: int, layouts: list[WeightLayout] | None
+) -> list[Any]:
+    """Three refits of :func:`tiny_moe` from ``num_policy`` policy processes to 2 rollout
+    processes (publishing ``layouts``), through a coordinator that checks every tensor's digest
+    against what its sender's stream carried; the refit reports."""
+    from ckpt_core.orchestration.coordinator import RefitCoordinator
+    from ckpt_core.orchestration.local import LocalProcessPool
+    from ckpt_core.orchestration.worker import refit_worker_specs
+
+    specs, labels = refit_worker_specs(
+        backend=backend,
+        num_policy=num_policy,
+        num_rollout=2,
+        bucket_size=BUCKET,
+        engine_kwargs={**engine_kwargs, "shard_expert_weights": layouts is not None},
+        weights="ckpt_core.testing.weights:tiny_moe",
+        weights_params=MOE,
+        weight_layouts=[layout.to_json() for layout in layouts] if layouts else None,
+    )
+    with LocalProcessPool(specs, labels=labels) as pool:
+        coordinator = RefitCoordinator(
+            pool, num_policy=num_policy, num_rollout=2, timeout_s=60, topology=engine_kwargs["topology"]
+        )
+        coordinator.setup()
+        try:
+            return [coordinator.refit() for _ in range(3)]  # each raises unless every digest matches
+        finally:
+            coordinator.finalize()
+
+
 @pytest.mark.slow
 def test_paired_gloo_ranks_owning_half_the_experts_receive_their_parts_bit_exact() -> None:
     """2 policy -> 2 rollout processes over gloo_cpu (paired), each rollout rank owning half
     the experts and half of every attention matrix: three refits checked digest by digest
     against the sender's selection, and each rank's received bytes equal to its kept bytes."""
-    from ckpt_core.orchestration.coordinator import RefitCoordinator
-    from ckpt_core.orchestration.local import LocalProcessPool
-    from ckpt_core.orchestration.worker import refit_worker_specs
-
     shapes = moe_shapes()
-    layouts = [sharded_layout(shapes, rank, 2) for rank in range(2)]
-    specs, labels = refit_worker_specs(
-        backend="gloo_cpu",
-        num_policy=2,
-        num_rollout=2,
-        bucket_size=BUCKET,
-        engine_kwargs={"topology": "paired", "shard_expert_weights": True},
-        weights="ckpt_core.testing.weights:tiny_moe",
-        weights_params=MOE,
-    )
-    for rank, layout in enumerate(layouts):
-        specs[2 + rank]["weight_layout"] = layout.to_json()
+    layouts = [tiny_moe_layout(shapes, rank, 2) for rank in range(2)]
     full_bytes = 2 * sum(torch.Size(s).numel() for s in shapes.values())
-    with LocalProcessPool(specs, labels=labels) as pool:
-        coordinator = RefitCoordinator(pool, num_policy=2, num_rollout=2, timeout_s=60, topology="paired")
-        coordinator.setup()
-        try:
-            for _ in range(3):
-                report = coordinator.refit()  # raises unless every digest matches its sender's
-                for rank, result in enumerate(report.rollout):
-                    kept_bytes = 2 * layouts[rank].received_elements()
-                    assert result["stats"]["payload_bytes"] == kept_bytes
-                    assert result["tensors"] == sum(k.kept for k in layouts[rank].weights.values())
-                    assert kept_bytes < 0.6 * full_bytes  # half the experts and attention, not the model
-        finally:
-            coordinator.finalize()
+    for report in three_refits("gloo_cpu", {"topology": "paired"}, 2, layouts):
+        for rank, result in enumerate(report.rollout):
+            kept_bytes = 2 * layouts[rank].received_elements()
+            assert result["stats"]["payload_bytes"] == kept_bytes
+            assert result["tensors"] == sum(k.kept for k in layouts[rank].weights.values())
+            assert kept_bytes < 0.6 * full_bytes  # half the experts and attention, not the model
 
 
 @pytest.mark.slow
@@ -274,38 +264,15 @@ def test_one_policy_rank_fans_out_each_rollout_rank_its_own_parts(
     tensor-parallel-2 rollout; cuda_ipc: a pair of shared slots per rollout rank): each
     rollout rank gets a stream of its own with only its parts (or, without layouts, the whole
     model each), checked digest by digest against what its stream carried, three refits."""
-    from ckpt_core.orchestration.coordinator import RefitCoordinator
-    from ckpt_core.orchestration.local import LocalProcessPool
-    from ckpt_core.orchestration.worker import refit_worker_specs
-
     shapes = moe_shapes()
-    layouts = [sharded_layout(shapes, rank, 2) for rank in range(2)]
-    specs, labels = refit_worker_specs(
-        backend=backend,
-        num_policy=1,
-        num_rollout=2,
-        bucket_size=BUCKET,
-        engine_kwargs={**options, "topology": "fanout", "shard_expert_weights": sharded},
-        weights="ckpt_core.testing.weights:tiny_moe",
-        weights_params=MOE,
-    )
-    if sharded:
-        for rank, layout in enumerate(layouts):
-            specs[1 + rank]["weight_layout"] = layout.to_json()
+    layouts = [tiny_moe_layout(shapes, rank, 2) for rank in range(2)]
     full_bytes = 2 * sum(torch.Size(s).numel() for s in shapes.values())
-    with LocalProcessPool(specs, labels=labels) as pool:
-        coordinator = RefitCoordinator(pool, num_policy=1, num_rollout=2, timeout_s=60, topology="fanout")
-        coordinator.setup()
-        try:
-            for _ in range(3):
-                report = coordinator.refit()  # raises unless every digest matches its stream's
-                for rank, result in enumerate(report.rollout):
-                    expected = 2 * layouts[rank].received_elements() if sharded else full_bytes
-                    assert result["stats"]["payload_bytes"] == expected
-                sent = report.policy[0]["stats"]["payload_bytes"]
-                assert sent == sum(r["stats"]["payload_bytes"] for r in report.rollout)
-        finally:
-            coordinator.finalize()
+    for report in three_refits(backend, {**options, "topology": "fanout"}, 1, layouts if sharded else None):
+        for rank, result in enumerate(report.rollout):
+            expected = 2 * layouts[rank].received_elements() if sharded else full_bytes
+            assert result["stats"]["payload_bytes"] == expected
+        sent = report.policy[0]["stats"]["payload_bytes"]
+        assert sent == sum(r["stats"]["payload_bytes"] for r in report.rollout)
 
 
 @pytest.mark.parametrize("fault", ["weights_raise", "rollout_lost"])
@@ -320,7 +287,7 @@ def test_a_failed_fanout_refit_aborts_every_stream(fault: str) -> None:
 
     big = {**MOE, "hidden": 256, "intermediate": 128}  # more than the sockets buffer
     shapes = moe_shapes(big)
-    layouts = [sharded_layout(shapes, rank, 2).to_json() for rank in range(2)]
+    layouts = [tiny_moe_layout(shapes, rank, 2).to_json() for rank in range(2)]
     options = {"topology": "fanout", "shard_expert_weights": True, "timeout_s": 30.0}
     policy = create_checkpoint_engine("gloo_cpu", bucket_size_bytes=64 << 10, engine_kwargs=options)
     rollouts = [

@@ -246,9 +246,14 @@ def refit_worker_specs(
     weights_params: dict[str, Any] | None = None,
     verify: bool = True,
     hook_plugins: list[str] | None = None,
+    weight_layouts: list[dict[str, Any]] | None = None,
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Service specs and labels for a pool of ``num_policy`` + ``num_rollout`` RefitWorkers,
-    in coordinator order (policy ranks, then rollout ranks)."""
+    in coordinator order (policy ranks, then rollout ranks). ``weight_layouts``: one
+    destination layout per rollout rank (:mod:`ckpt_core.layout`; the engines need
+    ``shard_expert_weights=True``)."""
+    if weight_layouts is not None and len(weight_layouts) != num_rollout:
+        raise ValueError(f"weight_layouts has {len(weight_layouts)} entries for {num_rollout} rollout ranks")
     specs, labels = [], []
     common = {
         "service": "ckpt_core.orchestration.worker:RefitWorker",
@@ -270,6 +275,9 @@ def refit_worker_specs(
         )
         labels.append(f"policy rank {rank}")
     for rank in range(num_rollout):
-        specs.append({**common, "role": "rollout", "rank": rank, "hook_plugins": hook_plugins})
+        spec = {**common, "role": "rollout", "rank": rank, "hook_plugins": hook_plugins}
+        if weight_layouts is not None:
+            spec["weight_layout"] = weight_layouts[rank]
+        specs.append(spec)
         labels.append(f"rollout rank {rank}")
     return specs, labels

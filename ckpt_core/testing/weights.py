@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ckpt_core import layout
 from ckpt_core._internal.dtypes import dtype_name, transferable_dtypes
 
 Weights = Iterator[tuple[str, torch.Tensor]]
@@ -156,3 +157,21 @@ def tiny_moe(params: dict[str, Any], *, refit_index: int, rank: int) -> Weights:
                 yield f"{prefix}.mlp.experts.{expert}.{proj}.weight", random_tensor(shape, bf16, g)
     yield "model.norm.weight", random_tensor((hidden,), bf16, g)
     yield "lm_head.weight", random_tensor((vocab, hidden), bf16, g)
+
+
+def tiny_moe_layout(shapes: dict[str, tuple[int, ...]], rank: int, world_size: int) -> layout.WeightLayout:
+    """What rank ``rank`` of a tensor- and expert-parallel rollout of ``world_size`` ranks keeps
+    of :func:`tiny_moe`'s weights (``shapes``: name -> shape): q/k/v rows and o_proj columns
+    split, expert e owned whole by rank ``e % world_size``, everything else replicated."""
+    weights: dict[str, layout.KeptWeight] = {}
+    for name, shape in shapes.items():
+        if ".mlp.experts." in name:
+            expert = int(name.split(".mlp.experts.")[1].split(".")[0])
+            weights[name] = layout.whole(shape) if expert % world_size == rank else layout.nothing(shape)
+        elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+            weights[name] = layout.even_shard(shape, 0, rank, world_size)
+        elif name.endswith("o_proj.weight"):
+            weights[name] = layout.even_shard(shape, 1, rank, world_size)
+        else:
+            weights[name] = layout.whole(shape)
+    return layout.WeightLayout(weights)
