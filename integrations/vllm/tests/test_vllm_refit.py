@@ -207,9 +207,7 @@ def test_a_sharded_refit_sends_each_rank_only_its_shards(
     """One trainer feeding every tensor-parallel rank a stream of its own (topology fanout),
     each rank's layout derived from its live model: three refits in a row generate what fresh
     engines loaded from W_k do, and each rank receives its own parameters' bytes (its shards
-    and what it replicates), not the model's."""
-    if tp == 1:
-        pytest.skip("a single rank keeps every weight whole: nothing to shard")
+    and what it replicates), not the model's (at TP 1, the one rank keeps it all)."""
     options = {**BACKENDS[backend], "shard_expert_weights": True, "topology": "fanout"}
     rollout = VllmRollout(refitted_llm, backend=backend, bucket_size_bytes=BUCKET, engine_kwargs=options)
     try:
@@ -227,6 +225,8 @@ def test_a_sharded_refit_sends_each_rank_only_its_shards(
                     assert abs(got - own) <= 0.01 * own, f"rank {rank} received {got} bytes, holds {own}"
                 layouts = received
         model_bytes = sum(p.stat().st_size for p in checkpoints["weights"][0].glob("*.safetensors"))
-        assert layouts is not None and max(layouts) < 0.75 * model_bytes  # half of most weights, not all
+        assert layouts is not None
+        if tp == 2:
+            assert max(layouts) < 0.75 * model_bytes  # half of most weights, not all
     finally:
         rollout.finalize()
