@@ -18,7 +18,7 @@ sequence of buckets of ``bucket_size`` bytes each, the unit a transport moves at
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Generator
+from collections.abc import AsyncGenerator, Generator, Iterator
 from typing import Any
 
 import torch
@@ -65,17 +65,31 @@ def split_weight_chunks(
     is not a byte-movable tensor, or whose name is not a string.
     """
     _require_positive_int("bucket_size", bucket_size, " (bytes)")
-    return _split(weights, bucket_size, None)
+    return _split(weights, bucket_size, None, 0, 0, 0)
 
 
 def split_weight_chunks_bounded(
-    weights: Generator[tuple[str, torch.Tensor], None, None], bucket_size: int, *, max_chunks: int
+    weights: Iterator[tuple[str, torch.Tensor]],
+    bucket_size: int,
+    *,
+    max_chunks: int,
+    keep_whole: int = 0,
+    open_bucket: tuple[int, int] = (0, 0),
 ) -> Generator[tuple[TensorMeta, torch.Tensor], None, None]:
-    """``split_weight_chunks``, also opening a new bucket after ``max_chunks`` chunks: the
-    refit pipeline's layout, which posts a bucket of many small tensors early."""
+    """``split_weight_chunks`` as the refit pipeline lays buckets out: a bucket also closes
+    after ``max_chunks`` chunks (so a bucket of many small tensors is posted early), and a
+    tensor of at most ``keep_whole`` bytes that does not fit in the room left opens a new
+    bucket instead of being split over two (a receiver can then take it straight from one
+    bucket). ``open_bucket``: ``(bytes laid out, chunks placed)`` of a bucket already open,
+    which the first chunks continue (the pipeline's replay hands its open bucket over so)."""
     _require_positive_int("bucket_size", bucket_size, " (bytes)")
     _require_positive_int("max_chunks", max_chunks)
-    return _split(weights, bucket_size, max_chunks)
+    used, chunks = open_bucket
+    if not (0 <= used <= bucket_size and 0 <= chunks <= max_chunks):
+        raise ValueError(
+            f"open_bucket {open_bucket!r} does not fit buckets of {bucket_size} bytes, {max_chunks} chunks"
+        )
+    return _split(weights, bucket_size, max_chunks, min(keep_whole, bucket_size), used, chunks)
 
 
 def _require_positive_int(name: str, value: Any, unit: str = "") -> None:
@@ -84,10 +98,14 @@ def _require_positive_int(name: str, value: Any, unit: str = "") -> None:
 
 
 def _split(
-    weights: Generator[tuple[str, torch.Tensor], None, None], bucket_size: int, max_chunks: int | None
+    weights: Iterator[tuple[str, torch.Tensor]],
+    bucket_size: int,
+    max_chunks: int | None,
+    keep_whole: int,
+    used: int,
+    chunks: int,
 ) -> Generator[tuple[TensorMeta, torch.Tensor], None, None]:
-    used = 0  # end of the last chunk placed in the current bucket
-    chunks = 0  # chunks placed in the current bucket
+    # used: end of the last chunk placed in the current bucket; chunks: chunks placed in it
     for item in weights:
         name, tensor = _unpack_item(item)
         data = tensor_bytes(tensor)
@@ -95,6 +113,8 @@ def _split(
         # Element alignment, unless a bucket cannot hold even one element.
         align = tensor.dtype.itemsize if tensor.dtype.itemsize <= bucket_size else 1
         done = 0
+        if total <= keep_whole and -(-used // align) * align + total > bucket_size:
+            used = chunks = 0  # kept whole: it opens a new bucket
         while True:
             if chunks == max_chunks:
                 used = chunks = 0  # the next chunk opens a new bucket

@@ -30,6 +30,9 @@ class RefitStats:
     direct_chunks: int = 0
     """Chunks moved outside the bucket buffers, straight between a weight and its output
     tensor (transports with ``direct_chunks``, for chunks of 1 MiB and more)."""
+    replayed_tensors: int = 0
+    """Sender: tensors copied to the place they had in the last refit's layout, which this one
+    repeated (nothing laid out or described again); the rest were laid out afresh."""
     seconds: float = 0.0
     pack_seconds: float = 0.0
     """Sender: copying chunks into bucket buffers. Receiver: 0."""

@@ -23,7 +23,8 @@ from helpers.distributions import Distribution, install, run_python
 from helpers.tensors import assert_same_weights, group_into_buckets, random_tensor
 
 import ckpt_core
-from ckpt_core import split_weight_chunks
+from ckpt_core._internal.pipeline import KEEP_WHOLE_BYTES, MAX_CHUNKS_PER_BUCKET
+from ckpt_core.chunking import split_weight_chunks_bounded
 from ckpt_core.errors import IntegrityError, RemoteRefitError, UnsupportedTensorError, WireFormatError
 from ckpt_core.hooks import plugin_manager
 from ckpt_core.stats import RefitContext, RefitStats
@@ -97,8 +98,11 @@ def mixed_weights(rng: torch.Generator, scale: int = 1) -> list[tuple[str, torch
 
 
 def expected_buckets(weights: list[tuple[str, torch.Tensor]]) -> list[dict[str, Any]]:
-    """Per bucket of the split layout: payload end, chunk count, tensors it completes."""
-    buckets = group_into_buckets(split_weight_chunks((item for item in weights), BUCKET))
+    """Per bucket of the pipeline's layout: payload end, chunk count, tensors it completes."""
+    layout = split_weight_chunks_bounded(
+        (item for item in weights), BUCKET, max_chunks=MAX_CHUNKS_PER_BUCKET, keep_whole=KEEP_WHOLE_BYTES
+    )
+    buckets = group_into_buckets(layout)
     return [
         {
             "nbytes": max(m.offset + m.chunk_size for m, _ in b),  # type: ignore[operator]

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.headers import header_bytes_of, header_fields
 from helpers.tensors import group_into_buckets, random_tensor
 
 from ckpt_core import TensorMeta, split_weight_chunks
@@ -30,11 +31,11 @@ def sample_header(rng: torch.Generator) -> BucketHeader:
 
 
 def doc_of(header: BucketHeader) -> dict[str, Any]:
-    return json.loads(encode_header(header))
+    return header_fields(encode_header(header))
 
 
 def encode_doc(doc: Any) -> bytes:
-    return json.dumps(doc).encode()
+    return header_bytes_of(doc)
 
 
 # --- round trips -----------------------------------------------------------------------------
@@ -79,12 +80,12 @@ def test_decode_accepts_bytearray_and_memoryview(rng: torch.Generator) -> None:
     assert decode_header(memoryview(raw), bucket_size=BUCKET) == header
 
 
-def test_encoding_is_versioned_ascii_json(rng: torch.Generator) -> None:
+def test_encoding_is_versioned_ascii_json_an_envelope_then_the_chunk_list(rng: torch.Generator) -> None:
     raw = encode_header(sample_header(rng))
     raw.decode("ascii")
-    doc = json.loads(raw)
-    assert doc["format"] == FORMAT_VERSION
-    assert isinstance(doc["names"], list) and isinstance(doc["dtypes"][0], str)
+    envelope, chunks = (json.loads(part) for part in raw.split(b"\n"))
+    assert envelope["format"] == FORMAT_VERSION and envelope["bucket"] == 7
+    assert isinstance(chunks["names"], list) and isinstance(chunks["dtypes"][0], str)
 
 
 # --- rejections ------------------------------------------------------------------------------

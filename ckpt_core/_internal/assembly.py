@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 
 import torch
 
@@ -172,20 +173,98 @@ class SmallTensorLander:
         return landed
 
     def _land_run(self) -> None:
-        start = self._start
-        storage = empty_host_storage(SHARED_STORAGE_BYTES)
-        ctypes.memmove(storage.data_ptr(), self._buffer.data_ptr() + start, self._end - start)
-        typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}  # the storage as each dtype
-        landed = self._landed
-        for landing, offset in zip(self._run, self._offsets):
-            meta = landing.meta
-            of_dtype = typed.get(meta.dtype)
-            if of_dtype is None:
-                of_dtype = typed[meta.dtype] = (storage.view(meta.dtype), meta.dtype.itemsize)
-            elements, itemsize = of_dtype
-            view = elements.as_strided(meta.shape, _contiguous_strides(meta.shape), (offset - start) // itemsize)
-            landed.append((meta.name, view))
+        run = SmallRun(
+            self._start, self._end, [(landing.meta, offset) for landing, offset in zip(self._run, self._offsets)]
+        )
+        self._landed += run.land(self._buffer)
         self._run, self._offsets = [], []
+
+
+class SmallRun:
+    """Small whole tensors lying in bytes ``[start, end)`` of a host buffer (``start`` a
+    multiple of 64, the span at most ``SHARED_STORAGE_BYTES``), each given as its chunk's
+    metadata and its offset in the buffer: landed as views of one new storage, or lent."""
+
+    __slots__ = ("start", "end", "tensors")
+
+    def __init__(self, start: int, end: int, tensors: list[tuple[TensorMeta, int]]) -> None:
+        self.start = start
+        self.end = end
+        self.tensors = [
+            (meta.name, meta.dtype, meta.shape, _contiguous_strides(meta.shape), offset) for meta, offset in tensors
+        ]
+
+    def land(self, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The tensors, copied out of ``buffer`` (a contiguous host ``uint8`` tensor holding
+        the run's bytes) with one ``memmove`` into one new storage, as views of it."""
+        self._check_inside(buffer)
+        storage = empty_host_storage(SHARED_STORAGE_BYTES)
+        ctypes.memmove(storage.data_ptr(), buffer.data_ptr() + self.start, self.end - self.start)
+        return self._views(storage, -self.start)
+
+    def lend(self, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The tensors as views of ``buffer`` itself (borrowed: valid while its bytes are)."""
+        self._check_inside(buffer)
+        if buffer.storage_offset() % 64:
+            raise ChunkStreamError(
+                f"a bucket buffer at byte {buffer.storage_offset()} of its storage cannot be lent as "
+                "tensors of every dtype; the transport's buffers must start 64-byte aligned"
+            )
+        return self._views(buffer, 0)
+
+    def _check_inside(self, buffer: torch.Tensor) -> None:
+        if self.end > buffer.numel():
+            raise ChunkStreamError(
+                f"tensor {self.tensors[-1][0]!r}: chunk ending at byte {self.end} lies outside the "
+                f"{buffer.numel()}-byte buffer"
+            )
+
+    def _views(self, source: torch.Tensor, shift: int) -> list[tuple[str, torch.Tensor]]:
+        """Views of ``source`` (1-D ``uint8``, its first byte 64-byte aligned in its storage),
+        each tensor at its buffer offset plus ``shift``."""
+        first = source.storage_offset()
+        typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}  # source as each dtype
+        views = []
+        for name, dtype, shape, strides, offset in self.tensors:
+            of_dtype = typed.get(dtype)
+            if of_dtype is None:
+                size, itemsize = source.numel(), dtype.itemsize
+                of_dtype = typed[dtype] = (source[: size - size % itemsize].view(dtype), itemsize)
+            elements, itemsize = of_dtype
+            views.append((name, elements.as_strided(shape, strides, (first + offset + shift) // itemsize)))
+        return views
+
+
+def plan_small_runs(chunks: Sequence[TensorMeta]) -> list[SmallRun] | None:
+    """A bucket's chunks as runs of small whole tensors to land together, if every chunk is a
+    packed whole tensor of at most ``SMALL_TENSOR_BYTES`` aligned to its element size (a
+    bucket's runs depend on its chunk list alone, so a receiver plans them once per list);
+    ``None`` otherwise."""
+    runs: list[SmallRun] = []
+    members: list[tuple[TensorMeta, int]] = []
+    start = end = 0
+    for meta in chunks:
+        offset = meta.offset
+        if (
+            offset is None
+            or meta.chunk_offset
+            or meta.chunk_size > SMALL_TENSOR_BYTES
+            or meta.chunk_size != meta.nbytes
+        ):
+            return None
+        if offset % meta.dtype.itemsize:
+            return None
+        chunk_end = offset + meta.chunk_size
+        if members and (offset < end or chunk_end - start > SHARED_STORAGE_BYTES):
+            runs.append(SmallRun(start, end, members))
+            members = []
+        if not members:
+            start = offset - offset % 64  # 64 is a multiple of every element size
+        members.append((meta, offset))
+        end = chunk_end
+    if members:
+        runs.append(SmallRun(start, end, members))
+    return runs
 
 
 @functools.lru_cache(maxsize=4096)  # a model has few distinct shapes
@@ -226,6 +305,11 @@ class ChunkAssembler:
     @property
     def device(self) -> torch.device | None:
         return self._device
+
+    @property
+    def idle(self) -> bool:
+        """Whether no tensor is partly planned (the next chunk must start a tensor)."""
+        return self._pending is None
 
     def plan(
         self, meta: TensorMeta, chunk_device: torch.device, *, in_place: bool = False, borrow: bool = False

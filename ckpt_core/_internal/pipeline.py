@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import dataclasses
+import itertools
 import struct
 import time
 from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Sequence
@@ -39,11 +40,12 @@ from contextlib import contextmanager
 import torch
 import xxhash
 
-from ckpt_core._internal.assembly import ChunkAssembler, Landing, SmallTensorLander
+from ckpt_core._internal.assembly import ChunkAssembler, Landing, SmallRun, SmallTensorLander, plan_small_runs
 from ckpt_core._internal.checksum import payload_checksum
 from ckpt_core._internal.host_memory import SMALL_COPY_BYTES, host_address, prefault
-from ckpt_core._internal.wire import BucketHeader, decode_header, encode_header
-from ckpt_core.chunking import split_weight_chunks_bounded
+from ckpt_core._internal.replay import LayoutRecord, RecordedBucket, replays
+from ckpt_core._internal.wire import BucketHeader, HeaderMemo, decode_header, encode_chunks, encode_header
+from ckpt_core.chunking import split_weight_chunks_bounded, tensor_bytes
 from ckpt_core.contract import TensorMeta
 from ckpt_core.errors import (
     IntegrityError,
@@ -65,6 +67,12 @@ DIRECT_MIN_BYTES = 1 << 20
 MAX_CHUNKS_PER_BUCKET = 512
 """A bucket of many small tensors is posted at this many chunks, so the receiver unpacks one
 while the sender packs the next instead of waiting for a whole bucket of them."""
+
+
+KEEP_WHOLE_BYTES = 64 << 10
+"""A tensor this small that does not fit in the room left in a bucket opens the next one
+(wasting at most this much of a bucket) instead of being split, so a receiver lands it from one
+bucket with the other small tensors there, not as a tensor assembled from two."""
 
 
 def direct_min_bytes(bucket_size: int) -> int:
@@ -116,20 +124,27 @@ async def send_refit(
     timeout_s: float,
     checksum: Checksum | None = payload_checksum,
     direct: bool = True,
+    record: LayoutRecord | None = None,
 ) -> RefitStats:
     """Send every weight of one refit through ``sender``; returns this sender's statistics.
     ``direct=False`` packs every chunk into the slot buffers even where the transport takes
     direct chunks (for receivers that lend out their buffers: a direct chunk lands in fresh
-    memory instead)."""
+    memory instead). ``record``: this sender's record of its last refit, replayed where the
+    weights repeat it and rewritten from this one (:mod:`ckpt_core._internal.replay`)."""
     refit = _Refit(bucket_size, context, notifier, RefitStats(), timeout_s, checksum)
     stats = refit.stats
     start = time.perf_counter()
     notifier.started(context)
-    packer = _BucketPacker(sender, refit, direct=direct)
+    packer = _BucketPacker(sender, refit, direct=direct, record=record)
     try:
-        seen: set[str] = set()
-        for meta, chunk in split_weight_chunks_bounded(weights, bucket_size, max_chunks=MAX_CHUNKS_PER_BUCKET):
+        rest, open_bucket = await packer.replay(iter(weights))
+        seen: set[str] | None = None
+        for meta, chunk in split_weight_chunks_bounded(
+            rest, bucket_size, max_chunks=MAX_CHUNKS_PER_BUCKET, keep_whole=packer.keep_whole, open_bucket=open_bucket
+        ):
             if meta.chunk_offset == 0:
+                if seen is None:
+                    seen = packer.replayed_names()
                 if meta.name in seen:
                     raise UnsupportedTensorError(
                         f"weight name {meta.name!r} appears twice in one refit; names must be unique"
@@ -141,9 +156,11 @@ async def send_refit(
             packer.add(meta, chunk)
         await packer.finish()
     except TransferError as exc:
+        packer.forget()
         notifier.failed(context, exc)
         raise
     except BaseException as exc:
+        packer.forget()
         packer.abort(f"{type(exc).__name__}: {exc}")
         notifier.failed(context, exc)
         raise
@@ -152,10 +169,13 @@ async def send_refit(
     return stats
 
 
+_END = object()
+
+
 class _BucketPacker:
     """Fills slot buffers in turn and posts each bucket as it closes."""
 
-    def __init__(self, sender: BucketSender, refit: _Refit, *, direct: bool) -> None:
+    def __init__(self, sender: BucketSender, refit: _Refit, *, direct: bool, record: LayoutRecord | None) -> None:
         self.sender = sender
         self.refit = refit
         self.stats = refit.stats
@@ -163,10 +183,21 @@ class _BucketPacker:
         # With the default pack into a host buffer, small chunks are copied here, without the
         # per-call checks that cost more than a 4 KiB copy (the buffer is checked once per slot).
         self.packs_itself = type(sender).pack is BucketSender.pack
+        # Tensors this small are never split over two buckets, so receivers take them from one
+        # (all of them, for receivers that lend their buffers out: direct=False).
+        self.keep_whole = refit.bucket_size if not direct else min(KEEP_WHOLE_BYTES, refit.bucket_size)
+        self.record = record
+        self.settings = (refit.bucket_size, self.direct_min, self.keep_whole, self.packs_itself, sender.num_slots)
+        if record is not None:
+            record.start()
+        self.replayed: list[RecordedBucket] = []  # buckets of the record this refit repeated
         self.host_base: int | None = None
         self.bucket_index = 0
         self.chunks: list[TensorMeta] = []
         self.direct: list[torch.Tensor] = []
+        self.layout_ends: list[int] = []  # per chunk of the open bucket: the layout's end after it
+        self.encoded_chunks: bytes | None = None  # the open bucket's chunk list, if replayed whole
+        self.replayable = True  # every chunk of the open bucket is from a host tensor
         self.layout_end = 0  # end of the last chunk in split_weight_chunks' layout of this bucket
         self.packed_end = 0  # end of the last chunk packed into the slot
         self.slot = 0
@@ -191,10 +222,13 @@ class _BucketPacker:
         assert meta.offset is not None
         self.layout_end = meta.offset + meta.chunk_size
         self.stats.payload_bytes += meta.chunk_size
+        self.encoded_chunks = None  # the chunk list differs from the replayed one now
         if self.direct_min is not None and meta.chunk_size >= self.direct_min and chunk.device == self.buffer.device:
             self.chunks.append(TensorMeta(meta.name, meta.shape, meta.dtype, meta.chunk_offset, meta.chunk_size, None))
             self.direct.append(chunk)
             self.stats.direct_chunks += 1
+            self.layout_ends.append(self.layout_end)
+            self.replayable = self.replayable and chunk.is_cpu
             return
         # Packed chunks close up the room direct chunks left, keeping their alignment; they
         # never move past their place in the layout, so the slot cannot overflow.
@@ -212,12 +246,91 @@ class _BucketPacker:
             meta = TensorMeta(meta.name, meta.shape, meta.dtype, meta.chunk_offset, meta.chunk_size, offset)
         self.chunks.append(meta)
         self.packed_end = offset + meta.chunk_size
+        self.layout_ends.append(self.layout_end)
+        if not chunk.is_cpu:
+            self.replayable = False
+
+    async def replay(
+        self, weights: Iterator[tuple[str, torch.Tensor]]
+    ) -> tuple[Iterator[tuple[str, torch.Tensor]], tuple[int, int]]:
+        """Repeat the record's buckets while ``weights`` repeat their tensors: each chunk is
+        copied (or queued direct) as it was last time, each bucket posted with its recorded
+        chunk list. The record's last bucket, or the one a differing tensor arrives in, stays
+        open. Returns the weights left for the general path (the differing one first) and the
+        open bucket's ``(bytes laid out, chunks)``."""
+        buckets = self.record.replayable_for(self.settings) if self.record is not None else []
+        tensor: torch.Tensor | None = None  # the tensor whose chunks are being replayed
+        for number, bucket in enumerate(buckets):
+            if not bucket.replayable:
+                break
+            start = time.perf_counter()
+            for index, meta in enumerate(bucket.chunks):
+                if meta.chunk_offset == 0:  # a tensor's first chunk: the next weight must repeat it
+                    item = next(weights, _END)
+                    tensor = replays(item, meta) if item is not _END else None
+                    if tensor is None:
+                        self.stats.pack_seconds += time.perf_counter() - start
+                        self._adopt(bucket, index)
+                        rest = weights if item is _END else itertools.chain((item,), weights)
+                        return rest, self.open_bucket()
+                    self.stats.tensors += 1
+                    self.stats.replayed_tensors += 1
+                assert tensor is not None  # a recorded stream starts each tensor at chunk_offset 0
+                self._replay_chunk(meta, tensor)
+            self.stats.pack_seconds += time.perf_counter() - start
+            self._adopt(bucket, len(bucket.chunks))
+            if number == len(buckets) - 1:
+                break  # the recorded stream's end: later weights, or none, decide
+            self.replayed.append(bucket)
+            await self.post(last=False)
+        return weights, self.open_bucket()
+
+    def _replay_chunk(self, meta: TensorMeta, tensor: torch.Tensor) -> None:
+        """Move one recorded chunk of ``tensor`` (a contiguous host tensor) as it moved last time."""
+        if meta.offset is None:
+            self.direct.append(tensor_bytes(tensor)[meta.chunk_offset : meta.chunk_offset + meta.chunk_size])
+            self.stats.direct_chunks += 1
+        elif self.host_base is not None and meta.chunk_size <= SMALL_COPY_BYTES:
+            if meta.chunk_size:
+                ctypes.memmove(self.host_base + meta.offset, tensor.data_ptr() + meta.chunk_offset, meta.chunk_size)
+        else:
+            self.sender.pack(
+                self.slot, meta.offset, tensor_bytes(tensor)[meta.chunk_offset : meta.chunk_offset + meta.chunk_size]
+            )
+
+    def _adopt(self, bucket: RecordedBucket, count: int) -> None:
+        """The open bucket holds the first ``count`` chunks of ``bucket``, replayed."""
+        chunks = bucket.chunks[:count]
+        self.chunks = list(chunks)
+        self.encoded_chunks = bucket.encoded if count == len(bucket.chunks) else None
+        self.stats.payload_bytes += sum(meta.chunk_size for meta in chunks)
+        packed = [meta.offset + meta.chunk_size for meta in chunks if meta.offset is not None]
+        self.packed_end = max(packed, default=0)
+        self.layout_ends = list(bucket.layout_ends[:count])
+        self.layout_end = self.layout_ends[-1] if count else 0
+
+    def open_bucket(self) -> tuple[int, int]:
+        """``(bytes laid out, chunks)`` of the open bucket, where the general layout resumes."""
+        return self.layout_end, len(self.chunks)
+
+    def replayed_names(self) -> set[str]:
+        """Names of the tensors sent so far by replay (a later one must not repeat them)."""
+        names = {meta.name for bucket in self.replayed for meta in bucket.chunks}
+        names.update(meta.name for meta in self.chunks)
+        return names
+
+    def forget(self) -> None:
+        """The refit failed: its record is incomplete, and the last one may not be replayed."""
+        if self.record is not None:
+            self.record.clear()
 
     async def finish(self) -> None:
         await self.post(last=True)
         for slot in range(self.sender.num_slots):
             with _timed(self.stats, "transfer_seconds"):
                 self.sender.wait_slot(slot, self.refit.timeout_s)
+        if self.record is not None:
+            self.record.complete(self.settings)
 
     async def post(self, *, last: bool) -> None:
         """Post the open bucket: the slot's packed bytes, then its direct chunks."""
@@ -226,25 +339,33 @@ class _BucketPacker:
         if refit.checksum is not None:
             with _timed(self.stats, "checksum_seconds"):
                 digest = bucket_digest(refit.checksum, [self.buffer[: self.packed_end], *self.direct])
+        chunks = tuple(self.chunks)
         header = BucketHeader(
             refit_index=refit.context.refit_index,
             bucket_index=self.bucket_index,
             payload_nbytes=self.packed_end,
             last=last,
-            chunks=tuple(self.chunks),
+            chunks=chunks,
             checksum=digest,
         )
+        encoded = self.encoded_chunks if self.encoded_chunks is not None else encode_chunks(chunks)
+        raw = encode_header(header, encoded_chunks=encoded)
         with _timed(self.stats, "transfer_seconds"):
             if self.direct:
-                self.sender.post(self.slot, encode_header(header), self.packed_end, refit.timeout_s, self.direct)
+                self.sender.post(self.slot, raw, self.packed_end, refit.timeout_s, self.direct)
             else:
-                self.sender.post(self.slot, encode_header(header), self.packed_end, refit.timeout_s)
+                self.sender.post(self.slot, raw, self.packed_end, refit.timeout_s)
         nbytes = self.packed_end + sum(chunk.numel() for chunk in self.direct)
-        refit.notifier.bucket_sent(refit.context, self.bucket_index, nbytes, len(self.chunks))
+        refit.notifier.bucket_sent(refit.context, self.bucket_index, nbytes, len(chunks))
+        if self.record is not None:
+            self.record.add(RecordedBucket(chunks, self.layout_ends, self.replayable, encoded))
         self.stats.buckets += 1
         self.bucket_index += 1
         self.chunks = []
         self.direct = []
+        self.encoded_chunks = None
+        self.layout_ends = []
+        self.replayable = True
         self.layout_end = self.packed_end = 0
         if not last:
             self.buffer = self._acquire_slot()
@@ -281,6 +402,7 @@ async def receive_refit(
     merge_device: torch.device | str | None = None,
     stats: RefitStats | None = None,
     borrow: bool = False,
+    memo: ReceiveMemo | None = None,
 ) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
     """Yield the ``(name, tensor)`` batches of one refit, one batch per bucket that completes
     tensors, in the sender's order. Tensors own their memory (never a transport's buffer;
@@ -290,12 +412,14 @@ async def receive_refit(
     bucket whose header carries a digest, before any tensor it completes is yielded; ``None``
     skips verification. ``stats`` (if given) is filled in as the refit runs. ``borrow``:
     tensors carried whole by one bucket are views of the receiver's buffer, valid until the
-    caller asks for the next batch (the buffer's slot is released to the transport only then)."""
+    caller asks for the next batch (the buffer's slot is released to the transport only then).
+    ``memo``: this receiver's memory of earlier refits' buckets; a bucket whose chunk list
+    repeats is not decoded, checked or planned again."""
     refit = _Refit(bucket_size, context, notifier, stats if stats is not None else RefitStats(), timeout_s, checksum)
     start = time.perf_counter()
     notifier.started(context)
     device = torch.device(merge_device) if merge_device is not None else None
-    buckets = _BucketStream(receiver, refit, ChunkAssembler(device), borrow=borrow)
+    buckets = _BucketStream(receiver, refit, ChunkAssembler(device), borrow=borrow, memo=memo or ReceiveMemo())
     try:
         async for batch in buckets.tensor_batches():
             refit.stats.tensors += len(batch)
@@ -308,6 +432,26 @@ async def receive_refit(
     notifier.finished(context, refit.stats)
 
 
+class ReceiveMemo:
+    """What a receiver keeps from one refit for the next: each bucket's checked chunk list
+    (:class:`~ckpt_core._internal.wire.HeaderMemo`) and, for a bucket of small whole tensors
+    only, the runs they land in (planned once per chunk list)."""
+
+    def __init__(self) -> None:
+        self.headers = HeaderMemo()
+        self.runs: dict[int, tuple[tuple[TensorMeta, ...], list[SmallRun] | None]] = {}
+
+    def small_runs(self, header: BucketHeader) -> list[SmallRun] | None:
+        planned = self.runs.get(header.bucket_index)
+        if planned is None or planned[0] is not header.chunks:
+            planned = self.runs[header.bucket_index] = (header.chunks, plan_small_runs(header.chunks))
+        return planned[1]
+
+    def clear(self) -> None:
+        self.headers.clear()
+        self.runs.clear()
+
+
 @dataclasses.dataclass
 class _PlannedBucket:
     header: BucketHeader
@@ -317,13 +461,18 @@ class _PlannedBucket:
     """Per chunk: where a direct chunk is received (its landing's target, or a staging tensor
     when outputs live on another device); ``None`` for a packed chunk."""
     direct: list[torch.Tensor]
+    small_runs: list[SmallRun] | None = None
+    """Set for a bucket of small whole tensors only: the runs they land in (no landings)."""
 
 
 class _BucketStream:
     """Turns a receiver's headers and payloads into verified tensor batches, one per bucket."""
 
-    def __init__(self, receiver: BucketReceiver, refit: _Refit, assembler: ChunkAssembler, *, borrow: bool) -> None:
+    def __init__(
+        self, receiver: BucketReceiver, refit: _Refit, assembler: ChunkAssembler, *, borrow: bool, memo: ReceiveMemo
+    ) -> None:
         self.receiver = receiver
+        self.memo = memo
         self.refit = refit
         self.stats = refit.stats
         self.assembler = assembler
@@ -384,7 +533,7 @@ class _BucketStream:
         refit = self.refit
         with _timed(self.stats, "transfer_seconds"):
             raw = self.receiver.recv_header(refit.timeout_s)
-        header = decode_header(raw, bucket_size=refit.bucket_size)
+        header = decode_header(raw, bucket_size=refit.bucket_size, memo=self.memo.headers)
         if header.abort is not None:
             raise RemoteRefitError(
                 f"the sender aborted refit {header.refit_index} at bucket {header.bucket_index}: {header.abort}"
@@ -403,6 +552,11 @@ class _BucketStream:
         slot = header.bucket_index % self.receiver.num_slots
         device = self.receiver.buffer(slot).device
         outputs_here = self.assembler.device in (None, device)
+        if device.type == "cpu" and outputs_here and self.assembler.idle:
+            runs = self.memo.small_runs(header)
+            if runs is not None:
+                self.stats.unpack_seconds += time.perf_counter() - start
+                return _PlannedBucket(header, slot, [], [], [], runs)
         landings = []
         received: list[torch.Tensor | None] = []
         for meta in header.chunks:
@@ -445,6 +599,8 @@ class _BucketStream:
                     "the refit is void"
                 )
         start = time.perf_counter()
+        if bucket.small_runs is not None:
+            return self._finish_small(bucket, payload, start)
         done: list[tuple[str, torch.Tensor]] = []
         small = SmallTensorLander(payload)
         for landing, received in zip(bucket.landings, bucket.received):
@@ -473,11 +629,31 @@ class _BucketStream:
         else:
             self.receiver.release(bucket.slot)
         self.stats.unpack_seconds += time.perf_counter() - start
+        self._received(bucket)
+        return done
+
+    def _finish_small(
+        self, bucket: _PlannedBucket, payload: torch.Tensor, start: float
+    ) -> list[tuple[str, torch.Tensor]]:
+        """:meth:`_finish` for a bucket of small whole tensors: landed (or lent) run by run."""
+        assert bucket.small_runs is not None
+        done: list[tuple[str, torch.Tensor]] = []
+        for run in bucket.small_runs:
+            done += run.lend(payload) if self.borrow else run.land(payload)
+        if self.borrow and done:
+            self._lent_slot = bucket.slot  # released when the caller asks for the next batch
+        else:
+            self.receiver.release(bucket.slot)
+        self.stats.unpack_seconds += time.perf_counter() - start
+        self._received(bucket)
+        return done
+
+    def _received(self, bucket: _PlannedBucket) -> None:
+        header = bucket.header
         self.stats.payload_bytes += sum(m.chunk_size for m in header.chunks)
         self.stats.buckets += 1
         nbytes = header.payload_nbytes + sum(t.numel() for t in bucket.direct)
         self.refit.notifier.bucket_received(self.refit.context, header.bucket_index, nbytes, len(header.chunks))
-        return done
 
     async def _hand_out(self) -> None:
         await asyncio.sleep(0)  # let the caller's event loop breathe between buckets

@@ -1,10 +1,17 @@
 """The bucket header: what a receiver must know to unpack one bucket, as versioned JSON.
 
-A header lists the bucket's chunks column by column (names, shapes, dtypes, chunk offsets and
-sizes, offsets in the packed payload, ``null`` for a direct chunk), which keeps encoding and
-decoding cheap for buckets of many tiny tensors. Decoding treats the bytes as untrusted: every
-field is type- and range-checked, and
-every chunk must lie inside the payload, before anything is built from it. No pickle anywhere.
+A header is two compact JSON objects joined by a newline (compact JSON never contains one):
+
+* the envelope: format version, refit and bucket index, payload size, ``last``, checksum and
+  ``abort``, which change from refit to refit;
+* the chunk list, column by column (names, shapes, dtypes, chunk offsets and sizes, offsets in
+  the packed payload, ``null`` for a direct chunk), which keeps encoding and decoding cheap for
+  buckets of many tiny tensors, and which repeats from one refit to the next: a receiver with a
+  :class:`HeaderMemo` compares it byte for byte with the list it decoded for that bucket last
+  time, and reuses that decoding instead of parsing and checking it again.
+
+Decoding treats the bytes as untrusted: every field is type- and range-checked, and every chunk
+must lie inside the payload, before anything is built from it. No pickle anywhere.
 """
 
 from __future__ import annotations
@@ -21,14 +28,15 @@ from ckpt_core._internal.dtypes import dtype_name
 from ckpt_core.contract import TensorMeta, checked_meta, tensor_geometry
 from ckpt_core.errors import WireFormatError
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """Raised whenever a byte layout between peers changes (this header, or a transport's framing:
-3 added the distributed transports' fixed-size header frames). Peers check it at init."""
+3 added the distributed transports' fixed-size header frames, 4 split the header into an
+envelope and a chunk list). Peers check it at init."""
 MAX_HEADER_BYTES = 64 << 20
 """Upper bound on an encoded header (about 500k chunks); a larger length is refused unread."""
 
 _COLUMNS = ("names", "shapes", "dtypes", "chunk_offsets", "chunk_sizes", "offsets")
-_FIELDS = {"format", "refit", "bucket", "nbytes", "last", "checksum", "abort", *_COLUMNS}
+_ENVELOPE = ("format", "refit", "bucket", "nbytes", "last", "checksum", "abort")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +61,10 @@ class BucketHeader:
     abort: str | None = None
 
 
-def encode_header(header: BucketHeader) -> bytes:
-    chunks = header.chunks
-    doc = {
+def encode_header(header: BucketHeader, *, encoded_chunks: bytes | None = None) -> bytes:
+    """The header's bytes. ``encoded_chunks``: its chunk list as :func:`encode_chunks` encoded
+    it before (a sender repeating a bucket reuses it)."""
+    envelope = {
         "format": FORMAT_VERSION,
         "refit": header.refit_index,
         "bucket": header.bucket_index,
@@ -63,34 +72,81 @@ def encode_header(header: BucketHeader) -> bytes:
         "last": header.last,
         "checksum": header.checksum,
         "abort": header.abort,
-        "names": [m.name for m in chunks],
-        "shapes": [list(m.shape) for m in chunks],
-        "dtypes": [dtype_name(m.dtype) for m in chunks],
-        "chunk_offsets": [m.chunk_offset for m in chunks],
-        "chunk_sizes": [m.chunk_size for m in chunks],
-        "offsets": [m.offset for m in chunks],
     }
+    chunks = encoded_chunks if encoded_chunks is not None else encode_chunks(header.chunks)
+    return _dumps(envelope) + b"\n" + chunks
+
+
+def encode_chunks(chunks: Iterable[TensorMeta]) -> bytes:
+    """A chunk list's part of a header."""
+    chunks = tuple(chunks)
+    return _dumps(
+        {
+            "names": [m.name for m in chunks],
+            "shapes": [list(m.shape) for m in chunks],
+            "dtypes": [dtype_name(m.dtype) for m in chunks],
+            "chunk_offsets": [m.chunk_offset for m in chunks],
+            "chunk_sizes": [m.chunk_size for m in chunks],
+            "offsets": [m.offset for m in chunks],
+        }
+    )
+
+
+def _dumps(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 
-def decode_header(data: bytes | bytearray | memoryview, *, bucket_size: int) -> BucketHeader:
-    """Parse and validate a header; raises ``WireFormatError`` for anything malformed."""
+class HeaderMemo:
+    """One receiver's decoded chunk lists, by bucket index, each with the bytes it came from.
+
+    Refits of one run repeat their buckets' chunk lists; a header whose chunk list is byte for
+    byte the one decoded for the same bucket before reuses that decoding (the same ``chunks``
+    tuple): its chunks are not parsed, built or checked again. Their bounds against this
+    header's payload size are checked again.
+    """
+
+    def __init__(self) -> None:
+        self._buckets: dict[int, tuple[bytes, int, tuple[TensorMeta, ...], int]] = {}
+
+    def lookup(
+        self, bucket_index: int, raw: bytes, bucket_size: int, payload_nbytes: int
+    ) -> tuple[TensorMeta, ...] | None:
+        entry = self._buckets.get(bucket_index)
+        if entry is None or entry[1] != bucket_size or entry[0] != raw:
+            return None
+        chunks, packed_end = entry[2], entry[3]
+        if packed_end > payload_nbytes:
+            return None  # decoded again, which names the chunk outside the payload
+        return chunks
+
+    def store(self, bucket_index: int, raw: bytes, bucket_size: int, chunks: tuple[TensorMeta, ...]) -> None:
+        ends = [m.offset + m.chunk_size for m in chunks if m.offset is not None]
+        self._buckets[bucket_index] = (raw, bucket_size, chunks, max(ends, default=0))
+
+    def clear(self) -> None:
+        self._buckets.clear()
+
+
+def decode_header(
+    data: bytes | bytearray | memoryview, *, bucket_size: int, memo: HeaderMemo | None = None
+) -> BucketHeader:
+    """Parse and validate a header; raises ``WireFormatError`` for anything malformed.
+    ``memo``: reuse (and keep) the checked chunk lists of earlier headers."""
     if len(data) > MAX_HEADER_BYTES:
         raise WireFormatError(f"bucket header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
-    try:
-        doc = json.loads(bytes(data))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise WireFormatError(f"bucket header is not valid JSON ({exc}); truncated or corrupt") from None
-    if not isinstance(doc, dict):
-        raise WireFormatError(f"bucket header must be a JSON object, got {type(doc).__name__}")
+    raw = bytes(data)
+    split = raw.find(b"\n")
+    if split < 0:
+        raise WireFormatError("bucket header has no chunk list after its envelope; truncated or corrupt")
+    doc = _object(raw[:split], "bucket header")
     version = doc.get("format")
     if version != FORMAT_VERSION:
         raise WireFormatError(
             f"bucket header has format version {version!r}, this side speaks {FORMAT_VERSION}: "
             "install the same ckpt-core version on senders and receivers"
         )
-    if set(doc) != _FIELDS:
-        raise WireFormatError(f"bucket header fields {sorted(doc)} differ from {sorted(_FIELDS)}")
+    if set(doc) != set(_ENVELOPE):
+        raise WireFormatError(f"bucket header fields {sorted(doc)} differ from {sorted(_ENVELOPE)}")
     refit = _uint(doc, "refit")
     bucket = _uint(doc, "bucket")
     nbytes = _uint(doc, "nbytes")
@@ -105,8 +161,26 @@ def decode_header(data: bytes | bytearray | memoryview, *, bucket_size: int) -> 
     abort = doc["abort"]
     if abort is not None and not isinstance(abort, str):
         raise WireFormatError(f"bucket header 'abort' must be a string or null, got {abort!r}")
-    chunks = _decode_chunks(doc, nbytes, bucket_size)
+    encoded = raw[split + 1 :]
+    chunks = memo.lookup(bucket, encoded, bucket_size, nbytes) if memo is not None else None
+    if chunks is None:
+        columns = _object(encoded, "bucket header chunk list")
+        if set(columns) != set(_COLUMNS):
+            raise WireFormatError(f"bucket header chunk list fields {sorted(columns)} differ from {sorted(_COLUMNS)}")
+        chunks = _decode_chunks(columns, nbytes, bucket_size)
+        if memo is not None:
+            memo.store(bucket, encoded, bucket_size, chunks)
     return BucketHeader(refit, bucket, nbytes, last, chunks, checksum, abort)
+
+
+def _object(raw: bytes, what: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise WireFormatError(f"{what} is not valid JSON ({exc}); truncated or corrupt") from None
+    if not isinstance(doc, dict):
+        raise WireFormatError(f"{what} must be a JSON object, got {type(doc).__name__}")
+    return doc
 
 
 def _decode_chunks(doc: dict[str, Any], payload_nbytes: int, bucket_size: int) -> tuple[TensorMeta, ...]:

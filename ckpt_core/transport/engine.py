@@ -30,7 +30,8 @@ from ckpt_core._internal.agreement import AGREED_KEY, check_metadata_agreement
 from ckpt_core._internal.checksum import payload_checksum
 from ckpt_core._internal.fanout import Destination, send_refit_each
 from ckpt_core._internal.host_memory import release_host_pool
-from ckpt_core._internal.pipeline import Checksum, receive_refit, send_refit
+from ckpt_core._internal.pipeline import Checksum, ReceiveMemo, receive_refit, send_refit
+from ckpt_core._internal.replay import LayoutRecord
 from ckpt_core._internal.wire import FORMAT_VERSION
 from ckpt_core.contract import CheckpointEngine
 from ckpt_core.errors import (
@@ -172,6 +173,9 @@ class BucketedEngine(CheckpointEngine):
         self._engine_id = ""
         self._sender: BucketSender | Mapping[int, BucketSender] | None = None
         self._receiver: BucketReceiver | None = None
+        # What the last refit sent and received, replayed where the next one repeats it.
+        self._layout_record = LayoutRecord()
+        self._receive_memo = ReceiveMemo()
         self._rank = -1
         self._refit_index = 0
         self._busy = False
@@ -384,6 +388,8 @@ class BucketedEngine(CheckpointEngine):
             self._release_transport()
         finally:
             self._sender = self._receiver = None
+            self._layout_record.clear()
+            self._receive_memo.clear()
 
     def _fail(self) -> None:
         """A refit failed: the stream is out of step, so drop connections at once. Peers
@@ -442,7 +448,13 @@ class BucketedEngine(CheckpointEngine):
                         layout, destination = next(iter(self._selection.values()))
                         weights = select_weights(weights, layout, destination=destination)
                     self.last_stats = await send_refit(
-                        weights, self._sender, context=context, notifier=notifier, timeout_s=self.timeout_s, **options
+                        weights,
+                        self._sender,
+                        context=context,
+                        notifier=notifier,
+                        timeout_s=self.timeout_s,
+                        record=self._layout_record,
+                        **options,
                     )
             except BaseException as exc:
                 self._raise_if_cut_off(generation, "send_weights()", exc)
@@ -476,6 +488,7 @@ class BucketedEngine(CheckpointEngine):
                     merge_device=self._merge_device(),
                     stats=stats,
                     borrow=self.borrow_received_tensors,
+                    memo=self._receive_memo,
                 ):
                     yield batch
                 completed = True

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from helpers.headers import header_bytes_of, header_fields
 from rel_inprocess import Pair, collect, concurrently
 
 from ckpt_core._internal.wire import FORMAT_VERSION, BucketHeader, decode_header, encode_header
@@ -232,9 +233,9 @@ def auth(policy_token: str | None, rollout_token: str | None, *, rollout_env: bo
 
 def header_bytes(**changes: Any) -> bytes:
     meta = TensorMeta("w", torch.Size([4]), torch.float32, 0, 16, 0)
-    doc = json.loads(encode_header(BucketHeader(0, 0, 16, True, (meta,), 1234)))
+    doc = header_fields(encode_header(BucketHeader(0, 0, 16, True, (meta,), 1234)))
     doc.update(changes)
-    return json.dumps(doc).encode()
+    return header_bytes_of(doc)
 
 
 def decode(raw: bytes) -> Callable[[Path], Any]:

@@ -14,7 +14,6 @@ so ``run_isolated`` runs a case in a child process when checking them against ol
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import uuid
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from helpers.headers import header_bytes_of, header_fields
 from rel_bad_inputs import BUCKET, Case, build, engine, init_policy, init_rollout, tensor
 from rel_inprocess import Pair, concurrently
 
@@ -164,9 +164,9 @@ def init_pair(backend: str, bucket_size: int, **options: Any) -> Callable[[Path]
 
 def forged_header(shape: list[int], chunk_size: int = 16) -> bytes:
     meta = TensorMeta("w", torch.Size([4]), torch.float32, 0, 16, 0)
-    doc = json.loads(encode_header(BucketHeader(0, 0, 16, True, (meta,), None)))
+    doc = header_fields(encode_header(BucketHeader(0, 0, 16, True, (meta,), None)))
     doc["shapes"], doc["chunk_sizes"] = [shape], [chunk_size]
-    return json.dumps(doc).encode()
+    return header_bytes_of(doc)
 
 
 def land_forged(shape: list[int], chunk_size: int = 16) -> Callable[[Path], Any]:

@@ -23,6 +23,7 @@ from typing import Any
 import hypothesis.strategies as st
 import pytest
 import torch
+from helpers.headers import header_bytes_of, header_fields
 from hypothesis import HealthCheck, example, given, settings
 from rel_inprocess import Pair
 from rel_net import listening_sockets
@@ -112,7 +113,7 @@ def _valid_header() -> bytes:
 
 
 VALID_HEADER = _valid_header()
-HEADER_FIELDS = sorted(json.loads(VALID_HEADER))
+HEADER_FIELDS = sorted(header_fields(VALID_HEADER))
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
@@ -198,12 +199,12 @@ def test_decode_header_mutated_bytes(edits: list[tuple[str, int, int]]) -> None:
 @example("nbytes", 2**64, False)
 def test_decode_header_with_any_json_value_in_any_field(field: str, value: Any, inside: bool) -> None:
     """Replace one field (or, for the per-chunk columns, its first entry) with any JSON value."""
-    doc = json.loads(VALID_HEADER)
+    doc = header_fields(VALID_HEADER)
     if inside and isinstance(doc[field], list) and doc[field]:
         doc[field][0] = value
     else:
         doc[field] = value
-    raw = json.dumps(doc).encode()
+    raw = header_bytes_of(doc)
     expect_only((WireFormatError,), decode_header_checked, raw)
 
 

@@ -1,0 +1,98 @@
+"""The sender's record of a refit's layout, so the next refit of the same weights replays it.
+
+Refits of one training run repeat the same names, shapes and dtypes in the same order, so
+their bucket layouts are equal. What the pipeline works out per tensor (its chunks and their
+metadata, its place in a bucket, the header's chunk list) is then what it was last time:
+:class:`LayoutRecord` keeps it, bucket by bucket, and the next refit moves each chunk of a
+tensor that matches its recorded entry exactly as it moved last time (the same offset, packed
+or direct), with no chunking, no metadata built and no placement.
+
+Only host tensors are replayed (a bucket holding a chunk of a device tensor ends the replay).
+A tensor that differs in any way (name, shape, dtype, not a plain contiguous host tensor, a
+storage that does not hold its bytes) ends it too: that tensor and every later one are laid
+out afresh from the open bucket on, by the general path and with all of its checks, and the
+record is rewritten from what was sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ckpt_core.contract import TensorMeta
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+class RecordedBucket:
+    """One bucket of a recorded refit: its chunks, where the layout ended after each of them,
+    whether the next refit may replay it (every chunk came from a host tensor), and its
+    encoded chunk list."""
+
+    __slots__ = ("chunks", "layout_ends", "replayable", "encoded")
+
+    def __init__(
+        self, chunks: Sequence[TensorMeta], layout_ends: Sequence[int], replayable: bool, encoded: bytes
+    ) -> None:
+        self.chunks = tuple(chunks)
+        self.layout_ends = tuple(layout_ends)
+        self.replayable = replayable
+        self.encoded = encoded
+        """The chunk list as the header carried it (:func:`~ckpt_core._internal.wire.encode_chunks`)."""
+
+
+class LayoutRecord:
+    """The buckets one sender posted in its last complete refit, under the settings that
+    shaped them (a record made under other settings is never replayed)."""
+
+    def __init__(self) -> None:
+        self.settings: tuple[Any, ...] | None = None
+        self.buckets: list[RecordedBucket] = []
+        self._recording: list[RecordedBucket] = []
+
+    def replayable_for(self, settings: tuple[Any, ...]) -> list[RecordedBucket]:
+        """The recorded buckets, if recorded under ``settings``; else none."""
+        return self.buckets if settings == self.settings else []
+
+    def start(self) -> None:
+        """A refit begins: record what it sends (the last record stays until it completes)."""
+        self._recording = []
+
+    def add(self, bucket: RecordedBucket) -> None:
+        self._recording.append(bucket)
+
+    def complete(self, settings: tuple[Any, ...]) -> None:
+        """The refit sent its last bucket: its record replaces the last one."""
+        self.buckets, self._recording = self._recording, []
+        self.settings = settings
+
+    def clear(self) -> None:
+        """Forget every record (a failed refit, a new connection)."""
+        self.settings = None
+        self.buckets = []
+        self._recording = []
+
+
+def replays(item: Any, meta: TensorMeta) -> torch.Tensor | None:
+    """``item``'s tensor if it is ``meta``'s recorded tensor again, a plain contiguous host
+    tensor whose storage holds its bytes: the one case a replay copies without the general
+    path's checks (every other case goes through them, and raises from there)."""
+    if type(item) is not tuple or len(item) != 2:
+        return None
+    name, tensor = item
+    if type(tensor) not in _PLAIN or name != meta.name or type(name) is not str:
+        return None
+    if tensor.dtype is not meta.dtype or tensor.shape != meta.shape:
+        return None
+    if not tensor.is_cpu or tensor.layout is not torch.strided or not tensor.is_contiguous():
+        return None
+    if tensor.is_nested or tensor.is_conj() or tensor.is_neg():
+        return None
+    numel = tensor.numel()
+    if numel:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() == 0 or storage.nbytes() < (tensor.storage_offset() + numel) * tensor.dtype.itemsize:
+            return None
+    return tensor
