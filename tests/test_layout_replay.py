@@ -213,3 +213,42 @@ def test_borrowed_buckets_of_many_small_tensors_are_bit_exact_refit_after_refit(
         copies = copied_on_arrival(policy, rollout, source)
         assert [n for n, _ in copies] == [n for n, _ in source]
         assert all(torch.equal(got, want) for (_, got), (_, want) in zip(copies, source)), seed
+
+
+def test_refits_replay_across_finalize_as_nemo_rl_finalizes_after_every_refit() -> None:
+    """With release_after_refit NeMo RL calls finalize() after every refit and prepares and
+    inits again before the next: the record and the receiver's decodings outlive that."""
+    policy, rollout = connected_pair(BUCKET, release_after_refit=True)
+    refit(policy, rollout, small_weights(1))
+    for seed in (2, 3):
+        policy.finalize()
+        rollout.finalize()
+        metadata = [policy.prepare(), rollout.prepare()]
+        policy.init_policy_process_group(worker_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata)
+        rollout.init_rollout_process_group(rollout_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata)
+        assert refit(policy, rollout, small_weights(seed)) == len(small_weights(seed))
+
+
+def test_a_record_made_under_other_settings_is_not_replayed() -> None:
+    """Reconnected to a rollout that borrows, the same policy engine lays the same weights out
+    otherwise (no tensor that fits a bucket is split): its record of refits to an owning
+    rollout does not apply, and the first refit is laid out afresh, bit-exact."""
+    bucket = 256 << 10
+
+    def weights(seed: int) -> Weights:  # the third 100 KiB tensor crosses the first bucket's end
+        rows = torch.randn(3, 25 << 10, generator=torch.Generator().manual_seed(seed))
+        return [*small_weights(seed), *((f"large.{i}", row) for i, row in enumerate(rows))]
+
+    policy, owning = connected_pair(bucket)
+    refit(policy, owning, weights(1))
+    policy.finalize()
+    borrowing = MemoryEngine(bucket_size=bucket, borrow_received_tensors=True)
+    metadata = [policy.prepare(), borrowing.prepare()]
+    policy.init_policy_process_group(worker_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata)
+    borrowing.init_rollout_process_group(rollout_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata)
+    for seed, replayed in ((2, 0), (3, len(weights(3)))):
+        source = weights(seed)
+        copies = copied_on_arrival(policy, borrowing, source)
+        assert [n for n, _ in copies] == [n for n, _ in source]
+        assert all(torch.equal(got, want) for (_, got), (_, want) in zip(copies, source))
+        assert policy.last_stats is not None and policy.last_stats.replayed_tensors == replayed

@@ -36,6 +36,7 @@ import struct
 import time
 from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import xxhash
@@ -187,7 +188,14 @@ class _BucketPacker:
         # (all of them, for receivers that lend their buffers out: direct=False).
         self.keep_whole = refit.bucket_size if not direct else min(KEEP_WHOLE_BYTES, refit.bucket_size)
         self.record = record
-        self.settings = (refit.bucket_size, self.direct_min, self.keep_whole, self.packs_itself, sender.num_slots)
+        self.settings = (
+            refit.bucket_size,
+            self.direct_min,
+            self.keep_whole,
+            self.packs_itself,
+            sender.num_slots,
+            str(sender.buffer(0).device),
+        )
         if record is not None:
             record.start()
         self.replayed: list[RecordedBucket] = []  # buckets of the record this refit repeated
@@ -250,34 +258,40 @@ class _BucketPacker:
         if not chunk.is_cpu:
             self.replayable = False
 
-    async def replay(
-        self, weights: Iterator[tuple[str, torch.Tensor]]
-    ) -> tuple[Iterator[tuple[str, torch.Tensor]], tuple[int, int]]:
+    async def replay(self, weights: Iterator[Any]) -> tuple[Iterator[Any], tuple[int, int]]:
         """Repeat the record's buckets while ``weights`` repeat their tensors: each chunk is
         copied (or queued direct) as it was last time, each bucket posted with its recorded
         chunk list. The record's last bucket, or the one a differing tensor arrives in, stays
         open. Returns the weights left for the general path (the differing one first) and the
         open bucket's ``(bytes laid out, chunks)``."""
         buckets = self.record.replayable_for(self.settings) if self.record is not None else []
-        tensor: torch.Tensor | None = None  # the tensor whose chunks are being replayed
+        address = 0  # of the tensor whose chunks are being replayed, its item in `item`
+        item: Any = None
+        memmove = ctypes.memmove
         for number, bucket in enumerate(buckets):
             if not bucket.replayable:
                 break
             start = time.perf_counter()
+            base = self.host_base
+            tensors = 0
             for index, meta in enumerate(bucket.chunks):
                 if meta.chunk_offset == 0:  # a tensor's first chunk: the next weight must repeat it
                     item = next(weights, _END)
-                    tensor = replays(item, meta) if item is not _END else None
-                    if tensor is None:
-                        self.stats.pack_seconds += time.perf_counter() - start
+                    found = replays(item, meta) if item is not _END else None
+                    if found is None:
+                        self._replayed(tensors, start)
                         self._adopt(bucket, index)
                         rest = weights if item is _END else itertools.chain((item,), weights)
                         return rest, self.open_bucket()
-                    self.stats.tensors += 1
-                    self.stats.replayed_tensors += 1
-                assert tensor is not None  # a recorded stream starts each tensor at chunk_offset 0
-                self._replay_chunk(meta, tensor)
-            self.stats.pack_seconds += time.perf_counter() - start
+                    address = found
+                    tensors += 1
+                offset, size = meta.offset, meta.chunk_size
+                if offset is not None and base is not None and size <= SMALL_COPY_BYTES:
+                    if size:
+                        memmove(base + offset, address + meta.chunk_offset, size)
+                else:
+                    self._replay_chunk(meta, item[1])
+            self._replayed(tensors, start)
             self._adopt(bucket, len(bucket.chunks))
             if number == len(buckets) - 1:
                 break  # the recorded stream's end: later weights, or none, decide
@@ -285,18 +299,20 @@ class _BucketPacker:
             await self.post(last=False)
         return weights, self.open_bucket()
 
+    def _replayed(self, tensors: int, start: float) -> None:
+        self.stats.tensors += tensors
+        self.stats.replayed_tensors += tensors
+        self.stats.pack_seconds += time.perf_counter() - start
+
     def _replay_chunk(self, meta: TensorMeta, tensor: torch.Tensor) -> None:
-        """Move one recorded chunk of ``tensor`` (a contiguous host tensor) as it moved last time."""
+        """Move a recorded chunk of ``tensor`` that the packer does not copy itself (a direct
+        chunk, or one the transport packs) as it moved last time."""
+        data = tensor_bytes(tensor)[meta.chunk_offset : meta.chunk_offset + meta.chunk_size]
         if meta.offset is None:
-            self.direct.append(tensor_bytes(tensor)[meta.chunk_offset : meta.chunk_offset + meta.chunk_size])
+            self.direct.append(data)
             self.stats.direct_chunks += 1
-        elif self.host_base is not None and meta.chunk_size <= SMALL_COPY_BYTES:
-            if meta.chunk_size:
-                ctypes.memmove(self.host_base + meta.offset, tensor.data_ptr() + meta.chunk_offset, meta.chunk_size)
         else:
-            self.sender.pack(
-                self.slot, meta.offset, tensor_bytes(tensor)[meta.chunk_offset : meta.chunk_offset + meta.chunk_size]
-            )
+            self.sender.pack(self.slot, meta.offset, data)
 
     def _adopt(self, bucket: RecordedBucket, count: int) -> None:
         """The open bucket holds the first ``count`` chunks of ``bucket``, replayed."""

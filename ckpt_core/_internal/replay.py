@@ -24,6 +24,7 @@ import torch
 from ckpt_core.contract import TensorMeta
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
 
 
 class RecordedBucket:
@@ -75,24 +76,23 @@ class LayoutRecord:
         self._recording = []
 
 
-def replays(item: Any, meta: TensorMeta) -> torch.Tensor | None:
-    """``item``'s tensor if it is ``meta``'s recorded tensor again, a plain contiguous host
-    tensor whose storage holds its bytes: the one case a replay copies without the general
-    path's checks (every other case goes through them, and raises from there)."""
-    if type(item) is not tuple or len(item) != 2:
-        return None
-    name, tensor = item
-    if type(tensor) not in _PLAIN or name != meta.name or type(name) is not str:
-        return None
-    if tensor.dtype is not meta.dtype or tensor.shape != meta.shape:
-        return None
-    if not tensor.is_cpu or tensor.layout is not torch.strided or not tensor.is_contiguous():
-        return None
-    if tensor.is_nested or tensor.is_conj() or tensor.is_neg():
-        return None
-    numel = tensor.numel()
-    if numel:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() == 0 or storage.nbytes() < (tensor.storage_offset() + numel) * tensor.dtype.itemsize:
+def replays(item: Any, meta: TensorMeta) -> int | None:
+    """The address of ``item``'s tensor if it is ``meta``'s recorded tensor again: the same
+    name, dtype and shape, a plain contiguous dense host tensor whose storage holds its bytes.
+    ``None`` for anything else (the general path then checks it and raises where it must).
+    This runs once per tensor of a replayed refit, so it asks each property once."""
+    try:
+        name, tensor = item
+        if type(tensor) not in _PLAIN or name != meta.name or type(name) is not str:
             return None
-    return tensor
+        if tensor.dtype is not meta.dtype or tensor.shape != meta.shape or tensor.layout is not _STRIDED:
+            return None
+        if not (tensor.is_cpu and tensor.is_contiguous()) or tensor.is_neg() or tensor.is_conj():
+            return None
+        address: int = tensor.data_ptr()
+        storage = tensor.untyped_storage()  # FSDP frees a storage and keeps its tensor
+        if address + tensor.nbytes > storage.data_ptr() + storage.nbytes():
+            return None
+    except Exception:  # noqa: BLE001 - a tensor without sizes or storage (nested, a wrapper subclass)
+        return None
+    return address

@@ -173,7 +173,10 @@ class BucketedEngine(CheckpointEngine):
         self._engine_id = ""
         self._sender: BucketSender | Mapping[int, BucketSender] | None = None
         self._receiver: BucketReceiver | None = None
-        # What the last refit sent and received, replayed where the next one repeats it.
+        # What the last refit sent and received, replayed where the next one repeats it. Kept
+        # across finalize() (NeMo RL finalizes after every refit with release_after_refit):
+        # a record is replayed only under the settings it was made with, and a receiver reuses
+        # a decoding only for a byte-equal chunk list.
         self._layout_record = LayoutRecord()
         self._receive_memo = ReceiveMemo()
         self._rank = -1
@@ -388,8 +391,6 @@ class BucketedEngine(CheckpointEngine):
             self._release_transport()
         finally:
             self._sender = self._receiver = None
-            self._layout_record.clear()
-            self._receive_memo.clear()
 
     def _fail(self) -> None:
         """A refit failed: the stream is out of step, so drop connections at once. Peers
