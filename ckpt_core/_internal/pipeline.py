@@ -1,8 +1,9 @@
 """The refit pipeline every transport shares: pack, describe, move, verify, reassemble.
 
-Sender: ``split_weight_chunks`` lays chunks out in buckets (closing one early at
+Sender: ``split_weight_chunks_bounded`` lays chunks out in buckets (closing one early at
 ``MAX_CHUNKS_PER_BUCKET`` chunks, so many small tensors stream instead of waiting for a full
-bucket). A chunk of at least
+bucket; a tensor of at most ``KEEP_WHOLE_BYTES``, or any that fits a bucket when a receiver
+borrows, opens a new bucket rather than being split over two). A chunk of at least
 ``direct_min_bytes`` goes *direct* when the transport allows it (``direct_chunks``): it is sent
 from the caller's tensor as a message of its own. Every other chunk is copied into the
 transport's slot buffer, packed at the next offset aligned to its element size (its place in
@@ -16,6 +17,13 @@ arrives: output tensors are allocated, and direct chunks are received straight i
 bucket ``k`` arrives, bucket ``k - 1`` is verified, its packed chunks are copied out of their
 slot, the slot is released to the sender, and the tensors it completed are yielded (a transport
 whose payloads are readable as soon as their header arrives has each bucket finished at once).
+
+Refits of one run repeat their layout. A sender given a
+:class:`~ckpt_core._internal.replay.LayoutRecord` replays the last refit's buckets while the
+weights repeat its tensors (each chunk moved as last time, no chunking or metadata built, the
+encoded chunk list reused), and lays out afresh from the first tensor that differs. A receiver
+given a :class:`ReceiveMemo` reuses the checked decoding of a chunk list byte-equal to the one
+it had for that bucket, and the runs it planned for a bucket of small whole tensors.
 
 A sender whose weights fail mid-stream (its generator raises, a weight is not a tensor, a name
 repeats) posts an ``abort`` header, so receivers fail at once with ``RemoteRefitError`` instead

@@ -271,6 +271,20 @@ class TransportConformance:
                 )
             previous = received
 
+    def test_refits_that_repeat_or_change_their_layout_are_bit_exact(self, refit_cluster: ConformanceCluster) -> None:
+        """Refits of the same tensors (which the shared pipeline replays), then ones that add
+        tensors, drop them and change their shapes midway: each verified tensor by tensor."""
+        for count, nbytes, seed in (
+            (600, 24, 13),
+            (600, 24, 14),
+            (650, 24, 15),
+            (600, 40, 16),
+            (300, 24, 17),
+            (600, 24, 18),
+        ):
+            report = refit_cluster.refit("tiny", {"count": count, "nbytes": nbytes, "seed": seed})
+            assert report.rollout[0]["tensors"] == count
+
     def test_rank_dependent_values_reach_their_rollouts(self, refit_cluster: ConformanceCluster) -> None:
         refit_cluster.refit("rank_dependent", {"count": 3, "elements": refit_cluster.bucket_size // 8, "seed": 8})
 
