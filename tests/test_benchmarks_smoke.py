@@ -155,3 +155,17 @@ def test_the_sharded_refit_benchmark_runs_side_by_side(topology: str, tmp_path: 
     assert results["summary"]["full"]["received_bytes_per_rank"] == [results["model_bytes"]] * 2
     assert 0 < results["bytes_ratio"] < 1 and results["time_ratio"] > 0
     assert "| sharded |" in (tmp_path / f"sharded_{topology}.md").read_text()
+
+
+def test_a_revision_is_measured_beside_this_tree(tmp_path: Path) -> None:
+    """``python -m benchmarks.against HEAD`` in a tiny configuration: both trees run, alternately,
+    and every case measured by both is in the comparison, with its figures from each."""
+    from benchmarks.against import main
+
+    options = ["--payloads", "4MiB", "--buckets", "1MiB", "--reps", "1", "--methods", "gloo_paired,raw_paired"]
+    assert main(["HEAD", "--runs", "1", "--out", str(tmp_path), "--", *options]) == 0
+    result = json.loads((tmp_path / "against.json").read_text())
+    (old,) = [row for row in result["old"] if row["case"] == "gloo_paired"]
+    (new,) = [row for row in result["new"] if row["case"] == "gloo_paired"]
+    assert old["gbps"] > 0 and new["gbps"] > 0 and old["x_raw"] > 0 and new["x_raw"] > 0
+    assert "| gloo_paired | 4 MiB | 1 |" in (tmp_path / "against.md").read_text()
