@@ -648,13 +648,7 @@ class _BucketStream:
             if tensor is not None:
                 done.append((meta.name, tensor))
         done += small.flush()
-        if self.borrow and any(landing.borrowed for landing in bucket.landings):
-            self._lent_slot = bucket.slot  # released when the caller asks for the next batch
-        else:
-            self.receiver.release(bucket.slot)
-        self.stats.unpack_seconds += time.perf_counter() - start
-        self._received(bucket)
-        return done
+        return self._finished(bucket, done, any(landing.borrowed for landing in bucket.landings), start)
 
     def _finish_small(
         self, bucket: _PlannedBucket, payload: torch.Tensor, start: float
@@ -664,20 +658,24 @@ class _BucketStream:
         done: list[tuple[str, torch.Tensor]] = []
         for run in bucket.small_runs:
             done += run.lend(payload) if self.borrow else run.land(payload)
-        if self.borrow and done:
-            self._lent_slot = bucket.slot  # released when the caller asks for the next batch
+        return self._finished(bucket, done, self.borrow and bool(done), start)
+
+    def _finished(
+        self, bucket: _PlannedBucket, done: list[tuple[str, torch.Tensor]], lent: bool, start: float
+    ) -> list[tuple[str, torch.Tensor]]:
+        """The bucket's tensors are out: its slot is released (or, if ``lent``, kept until the
+        caller asks for the next batch), and it is counted."""
+        if lent:
+            self._lent_slot = bucket.slot
         else:
             self.receiver.release(bucket.slot)
         self.stats.unpack_seconds += time.perf_counter() - start
-        self._received(bucket)
-        return done
-
-    def _received(self, bucket: _PlannedBucket) -> None:
         header = bucket.header
         self.stats.payload_bytes += sum(m.chunk_size for m in header.chunks)
         self.stats.buckets += 1
         nbytes = header.payload_nbytes + sum(t.numel() for t in bucket.direct)
         self.refit.notifier.bucket_received(self.refit.context, header.bucket_index, nbytes, len(header.chunks))
+        return done
 
     async def _hand_out(self) -> None:
         await asyncio.sleep(0)  # let the caller's event loop breathe between buckets
