@@ -70,7 +70,8 @@ class LayoutRecord:
         self.settings = settings
 
     def clear(self) -> None:
-        """Forget every record (a failed refit, a new connection)."""
+        """Forget every record: a refit failed, so the one it was writing is incomplete, and the
+        sender's peers may have seen only part of it."""
         self.settings = None
         self.buckets = []
         self._recording = []
