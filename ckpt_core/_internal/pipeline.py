@@ -212,7 +212,7 @@ class _BucketPacker:
         self.chunks: list[TensorMeta] = []
         self.direct: list[torch.Tensor] = []
         self.layout_ends: list[int] = []  # per chunk of the open bucket: the layout's end after it
-        self.encoded_chunks: bytes | None = None  # the open bucket's chunk list, if replayed whole
+        self.repeated: RecordedBucket | None = None  # the recorded bucket the open one repeats whole
         self.replayable = True  # every chunk of the open bucket is from a host tensor
         self.layout_end = 0  # end of the last chunk in split_weight_chunks' layout of this bucket
         self.packed_end = 0  # end of the last chunk packed into the slot
@@ -238,7 +238,7 @@ class _BucketPacker:
         assert meta.offset is not None
         self.layout_end = meta.offset + meta.chunk_size
         self.stats.payload_bytes += meta.chunk_size
-        self.encoded_chunks = None  # the chunk list differs from the replayed one now
+        self.repeated = None  # the chunk list differs from the replayed one now
         if self.direct_min is not None and meta.chunk_size >= self.direct_min and chunk.device == self.buffer.device:
             self.chunks.append(TensorMeta(meta.name, meta.shape, meta.dtype, meta.chunk_offset, meta.chunk_size, None))
             self.direct.append(chunk)
@@ -281,14 +281,29 @@ class _BucketPacker:
                 break
             start = time.perf_counter()
             base = self.host_base
+            spans = bucket.spans if base is not None else {}
+            chunks = bucket.chunks
             tensors = 0
-            for index, meta in enumerate(bucket.chunks):
+            index = 0
+            while index < len(chunks):
+                span = spans.get(index)
+                if span is not None and span.copies:
+                    count = span.stop - index
+                    items = list(itertools.islice(weights, count))
+                    repeated = span.repeats(items) if len(items) == count else None
+                    if repeated is not None and span.copy(repeated, self.buffer):
+                        tensors += count
+                        index = span.stop
+                        continue
+                    weights = itertools.chain(items, weights)  # one by one: they find what differs
+                meta = chunks[index]
+                index += 1
                 if meta.chunk_offset == 0:  # a tensor's first chunk: the next weight must repeat it
                     item = next(weights, _END)
                     found = replays(item, meta) if item is not _END else None
                     if found is None:
                         self._replayed(tensors, start)
-                        self._adopt(bucket, index)
+                        self._adopt(bucket, index - 1)
                         rest = weights if item is _END else itertools.chain((item,), weights)
                         return rest, self.open_bucket()
                     address = found
@@ -326,7 +341,7 @@ class _BucketPacker:
         """The open bucket holds the first ``count`` chunks of ``bucket``, replayed."""
         chunks = bucket.chunks[:count]
         self.chunks = list(chunks)
-        self.encoded_chunks = bucket.encoded if count == len(bucket.chunks) else None
+        self.repeated = bucket if count == len(bucket.chunks) else None
         self.stats.payload_bytes += sum(meta.chunk_size for meta in chunks)
         packed = [meta.offset + meta.chunk_size for meta in chunks if meta.offset is not None]
         self.packed_end = max(packed, default=0)
@@ -372,7 +387,7 @@ class _BucketPacker:
             chunks=chunks,
             checksum=digest,
         )
-        encoded = self.encoded_chunks if self.encoded_chunks is not None else encode_chunks(chunks)
+        encoded = self.repeated.encoded if self.repeated is not None else encode_chunks(chunks)
         raw = encode_header(header, encoded_chunks=encoded)
         with _timed(self.stats, "transfer_seconds"):
             if self.direct:
@@ -381,13 +396,17 @@ class _BucketPacker:
                 self.sender.post(self.slot, raw, self.packed_end, refit.timeout_s)
         nbytes = self.packed_end + sum(chunk.numel() for chunk in self.direct)
         refit.notifier.bucket_sent(refit.context, self.bucket_index, nbytes, len(chunks))
-        if self.record is not None:
-            self.record.add(RecordedBucket(chunks, self.layout_ends, self.replayable, encoded))
+        if self.record is not None:  # a bucket repeated whole keeps its record (and its spans)
+            repeated = self.repeated
+            small = SMALL_COPY_BYTES if self.host_base is not None else None
+            self.record.add(
+                repeated or RecordedBucket(chunks, self.layout_ends, self.replayable, encoded, small_bytes=small)
+            )
         self.stats.buckets += 1
         self.bucket_index += 1
         self.chunks = []
         self.direct = []
-        self.encoded_chunks = None
+        self.repeated = None
         self.layout_ends = []
         self.replayable = True
         self.layout_end = self.packed_end = 0
