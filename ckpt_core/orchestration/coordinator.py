@@ -7,8 +7,11 @@ policy ranks, ``P..P+R-1`` the rollout ranks.
 
 A refit is complete only when every rollout rank received every tensor (and, with
 ``verify``, each one bit-exact against its sender's source); only then are the rollout workers
-told to ``commit`` it and does ``weight_version`` increase. Any failure raises one
-``RefitFailedError`` naming every worker that failed, by role and rank, with its error.
+told to ``commit`` it and does ``weight_version`` increase. A refit whose rollout ranks
+report other digests or tensor counts than their senders' is rejected: the rollout workers are
+told to ``discard`` it, so no later ``commit`` (from anyone) can make it current. Any failure
+raises one ``RefitFailedError`` naming every worker that failed, by role and rank, with its
+error.
 """
 
 from __future__ import annotations
@@ -152,9 +155,15 @@ class RefitCoordinator:
             self._ready = False
             raise
         policy, rollout = results[: self.num_policy], results[self.num_policy :]
-        if self.verify:  # digests name what is missing, extra or different
-            self._check_digests(index, policy, rollout)
-        self._check_counts(index, policy, rollout)
+        try:
+            if self.verify:  # digests name what is missing, extra or different
+                self._check_digests(index, policy, rollout)
+            self._check_counts(index, policy, rollout)
+        except RefitFailedError as rejected:
+            unreached = self._discard()
+            if unreached:
+                raise RefitFailedError(rejected.step, [*rejected.failures, *unreached]) from None
+            raise
         # Every rank has all of it: now, and only now, may rollout workers call it current.
         commit = {"weight_version": self.weight_version + 1}
         try:
@@ -165,6 +174,13 @@ class RefitCoordinator:
         self._refits_since_init += 1
         self.weight_version += 1
         return RefitReport(self.weight_version, policy, rollout)
+
+    def _discard(self) -> list[CallResult]:
+        """Tell every rollout worker that the refit it holds is rejected, so that no commit,
+        from this coordinator or anyone else, can make it current; returns the workers that
+        could not be told."""
+        results = self.pool.call([(i, "discard", {}) for i in self.rollout_workers], self.timeout_s)
+        return [r for r in results if not r.ok]
 
     def _source_rank(self, rollout_rank: int) -> int:
         return rollout_rank if self.topology == "paired" else 0

@@ -311,6 +311,7 @@ _ACTOR_CALLS: dict[str, Any] = {
     "init": lambda actor, **kwargs: _worker(actor).init(**kwargs),
     "refit": lambda actor, **kwargs: _worker(actor).refit(**kwargs),
     "commit": lambda actor, **kwargs: _worker(actor).commit(**kwargs),
+    "discard": lambda actor: _worker(actor).discard(),
     "finalize": lambda actor: _worker(actor).finalize(),
     "reset": lambda actor: _worker(actor).reset(),
 }

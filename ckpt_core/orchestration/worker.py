@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ckpt_core.contract import CheckpointEngine
+from ckpt_core.errors import LifecycleError
 from ckpt_core.layout import WeightLayout, is_ckpt_layout, select_weights
 from ckpt_core.orchestration.workload import WeightsFactory, digests, load_target, tensor_digest
 from ckpt_core.registry import create_checkpoint_engine
@@ -82,6 +83,7 @@ class RefitWorker:
                 plugin_manager().register(load_target(target)())
         self.engine: CheckpointEngine = self._new_engine()
         self.weight_version = 0
+        self._uncommitted: int | None = None  # a rollout's last complete refit, until committed
 
     def _new_engine(self) -> CheckpointEngine:
         return create_checkpoint_engine(
@@ -117,6 +119,7 @@ class RefitWorker:
 
         ``weights``/``weights_params`` replace the worker's weights factory for this refit.
         """
+        self._uncommitted = None
         start = time.perf_counter()
         by_destination: dict[str, dict[str, Any]] = {}  # a policy's, with a stream per destination
         if self.role == "policy":
@@ -157,6 +160,8 @@ class RefitWorker:
             wall = time.perf_counter() - start
             result_digests = digests(received.items()) if self.verify else {}
             count = len(received)
+        if self.role == "rollout":
+            self._uncommitted = refit_index
         stats = getattr(self.engine, "last_stats", None)
         return {
             "role": self.role,
@@ -204,8 +209,21 @@ class RefitWorker:
         return seen
 
     def commit(self, *, weight_version: int) -> None:
-        """The coordinator's word that the last refit reached every rollout rank whole."""
+        """The coordinator's word that the last refit reached every rollout rank whole.
+        ``LifecycleError`` unless this worker completed a refit since its last commit that
+        was not discarded."""
+        if self._uncommitted is None:
+            raise LifecycleError(
+                f"{self.role} rank {self.rank} has no complete refit to commit (none since the last commit, "
+                "or the coordinator discarded it: its digests or tensor counts did not match)"
+            )
         self.weight_version = weight_version
+        self._uncommitted = None
+
+    def discard(self) -> None:
+        """The coordinator rejected the last refit (digests or tensor counts differ from what
+        was sent): nothing may commit it; the worker keeps its last committed version."""
+        self._uncommitted = None
 
     def finalize(self) -> None:
         self.engine.finalize()

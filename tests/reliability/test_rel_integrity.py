@@ -92,6 +92,10 @@ def test_without_checksums_the_same_corruption_reaches_the_caller(team: Team) ->
     assert failure.worker == "rollout rank 0" and failure.error_type == "VerificationError"
     assert "differing ['sized.0']" in (failure.message or ""), failure.describe()
     assert coordinator.weight_version == 0
+    # The rejected refit was discarded on the rollout: no commit can make it current now.
+    (late,) = coordinator.pool.call([(1, "commit", {"weight_version": 1})], 30.0)
+    assert not late.ok and late.error_type == "LifecycleError", late.describe()
+    assert "discarded" in (late.message or ""), late.describe()
     coordinator.finalize()
 
 

@@ -297,6 +297,18 @@ class CkptEngineWorkerExtension:
         return state.status(self._ckpt_engine_rollout_rank())
 
     @_replying
+    def ckpt_engine_discard(self) -> dict[str, Any]:
+        """Forget the refit just loaded without committing it (the driver rejected it: its
+        digests or tensor counts differ from what was sent). The rank stays not current, and
+        ``ckpt_engine_commit`` refuses until a new refit loads completely."""
+        state = self._ckpt_engine()
+        if state.loaded_refit is not None:
+            state.last_error = f"refit {state.loaded_refit}: loaded, then rejected by the driver"
+        state.loaded_refit = None
+        state.current = False
+        return state.status(self._ckpt_engine_rollout_rank())
+
+    @_replying
     def ckpt_engine_status(self) -> dict[str, Any]:
         """``{"rank", "weight_version", "current", "last_error", "rss_bytes",
         "parameter_bytes"}`` of this rank (``parameter_bytes``: its parameters in checkpoint

@@ -2,7 +2,7 @@
 
 Join it after the policy workers' pool (``JoinedPool(policy_pool, VllmWorkerPool(rollout))``)
 and the coordinator drives vLLM with the same calls as any rollout worker: ``prepare``,
-``init``, ``refit``, ``commit``, ``reset``, ``finalize``. A vLLM engine's ranks are reached
+``init``, ``refit``, ``commit``, ``discard``, ``reset``, ``finalize``. A vLLM engine's ranks are reached
 together (one ``collective_rpc``), so every call must name each rank once, with the same
 arguments, as the coordinator's calls do.
 """
@@ -16,7 +16,7 @@ from ckpt_core.errors import InvalidArgumentError
 from ckpt_core.orchestration.coordinator import CallResult, RefitFailedError
 from ckpt_vllm.rollout import VllmRollout
 
-_METHODS = ("prepare", "init", "refit", "commit", "reset", "finalize", "status")
+_METHODS = ("prepare", "init", "refit", "commit", "discard", "reset", "finalize", "status")
 
 
 class VllmWorkerPool:

@@ -150,6 +150,13 @@ class VllmRollout:
         self.weight_version = version
         self._current = True
 
+    def discard(self) -> None:
+        """Reject the refit loaded by :meth:`receive` on every rank: it stays loaded in the
+        model but not current, and :meth:`commit` refuses it (a coordinator calls this when
+        digests or tensor counts differ from what was sent). Refit again to be current."""
+        self.mark_not_current()
+        self._call("discard")
+
     def reset(self) -> None:
         """A fresh engine on every rank after a failure (then ``prepare``/``init`` again)."""
         self._call("reset")

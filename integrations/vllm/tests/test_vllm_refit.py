@@ -152,6 +152,39 @@ def test_a_trainer_killed_mid_refit_leaves_the_engine_not_current_until_the_next
         rollout.finalize()
 
 
+def test_a_discarded_refit_is_never_committed(
+    refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
+) -> None:
+    """What a coordinator does with a refit whose digests differ: ``discard()``. The loaded
+    weights are then never made current, by any later ``commit()``, until a refit loads again."""
+    rollout = VllmRollout(refitted_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET)
+    try:
+        with trainer_pool(checkpoints["start"], "gloo_cpu") as trainer:
+            set_up(trainer, rollout)
+            train(trainer)
+            (sent,), _ = in_parallel(
+                lambda: trainer.call([(0, "refit", {})], CALL_TIMEOUT_S), lambda: rollout.receive()
+            )
+            assert sent.ok, sent.describe()
+            version = rollout.weight_version
+            rollout.discard()
+            with pytest.raises(RefitFailedError) as caught:
+                rollout.commit()
+            assert len(caught.value.failures) == rollout.world_size
+            assert all(f.error_type == "LifecycleError" for f in caught.value.failures), caught.value
+            assert not rollout.is_current and rollout.weight_version == version
+            status = rollout.status()
+            assert not any(s["current"] for s in status) and all("rejected" in s["last_error"] for s in status)
+            with pytest.raises(StaleWeightsError):
+                greedy_tokens(rollout.generate)
+            sent, received = refit(trainer, rollout)  # the same W1 again, loaded and committed
+            assert sent.ok and not isinstance(received, Exception), received
+        assert greedy_tokens(rollout.generate) == reference_tokens[0]
+        assert rollout.is_current and rollout.weight_version == version + 1
+    finally:
+        rollout.finalize()
+
+
 @pytest.mark.parametrize(
     ("fault", "error", "named"),
     [
