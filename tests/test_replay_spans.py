@@ -227,14 +227,17 @@ def test_a_tensor_that_changes_inside_a_span_arrives_bit_exact(change: str) -> N
     refit(policy, rollout, layered(3))
 
 
-def test_a_freed_storage_inside_a_span_is_refused_not_read() -> None:
+@pytest.mark.parametrize("k", [11, 16], ids=["replayed alone", "inside a span"])
+def test_a_replayed_weight_whose_storage_was_freed_is_refused_not_read(k: int) -> None:
+    """FSDP frees an unsharded parameter's storage with resize_(0): a replay must not copy
+    from it (one by one or in a span); the general path's check names the weight."""
     policy, rollout = connected_pair(BUCKET)
     refit(policy, rollout, layered(1))
     freed = layered(2)
-    freed[16][1].untyped_storage().resize_(0)
+    freed[k][1].untyped_storage().resize_(0)
     outcome = run_refit(policy, rollout, lambda: iter(freed))
     assert isinstance(outcome.send_error, UnsupportedTensorError)
-    assert freed[16][0] in str(outcome.send_error)
+    assert freed[k][0] in str(outcome.send_error)
 
 
 def test_slots_a_cat_cannot_view_replay_tensor_by_tensor() -> None:
