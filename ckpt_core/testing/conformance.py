@@ -15,8 +15,9 @@ engines built on ``BucketedEngine``) instead of hanging; refits between real pro
 bit-exact, in order, for one bucket and many, tensors larger than a bucket, every dtype,
 zero-element and 0-d tensors, many tiny tensors, no tensors, and repeated refits with new
 values; each policy rank runs its generator to the end exactly once, also a rank with no
-receiver; ``finalize()`` then ``prepare()``/init again works; a peer killed mid-refit fails
-the refit within the engine's ``timeout_s``.
+receiver; ``finalize()`` then ``prepare()``/init again works; a rollout that borrows its
+batches (``borrow_received_tensors``, where the engine takes it) receives them bit-exact; a
+peer killed mid-refit fails the refit within the engine's ``timeout_s``.
 
 Configuration is read from class attributes: ``backend``, ``engine_options``,
 ``bucket_size``, ``worker_env`` (checked into the class's ``conformance_settings`` fixture,
@@ -317,6 +318,37 @@ class TransportConformance:
             refit_cluster.setup()  # prepare() and init again, on the same engine objects
             refit_cluster.refit("sized", {"sizes": [b + 3, b // 2, 5], "seed": 11})
             refit_cluster.refit("every_dtype", {"seed": 12})
+
+    def test_borrowed_receive_is_bit_exact(self, conformance_settings: KitSettings) -> None:
+        """With ``borrow_received_tensors=True`` (engines that take it: every ``BucketedEngine``)
+        a rollout's batches are views of the transport's buffers, valid until it asks for the
+        next batch: the rollout worker digests each batch on arrival, so each lent view is
+        checked before its buffer may be reused. Tiny tensors (lent a run at a time), tensors
+        larger than a bucket (assembled) and every dtype, refit after refit."""
+        backend, bucket_size = conformance_settings.backend, conformance_settings.bucket_size
+        options = {**conformance_settings.engine_options, "borrow_received_tensors": True}
+        try:
+            check_engine_kwargs(resolve_backend(backend), options)
+        except EngineOptionError:
+            pytest.skip(f"{backend} takes no borrow_received_tensors option")
+        shape = Shape(1, 1, Shape.coerce(type(self).shapes[0]).topology)
+        cluster = ConformanceCluster(
+            backend=backend,
+            shape=shape,
+            bucket_size=bucket_size,
+            engine_options=options,
+            worker_options=lambda o, role, rank: self.worker_engine_options(o, role=role, rank=rank, shape=shape),
+            env=worker_environment(dict(conformance_settings.worker_env)),
+            call_timeout_s=self.call_timeout_s,
+        )
+        b = bucket_size
+        with cluster:
+            cluster.ensure_ready()
+            for seed in (20, 21):  # the second refit replays the first's layout
+                report = cluster.refit("tiny", {"count": 600, "nbytes": 24, "seed": seed})
+                assert report.rollout[0]["tensors"] == 600
+                cluster.refit("sized", {"sizes": [b // 3, 2 * b + 4, 40, b // 2], "seed": seed})
+            cluster.refit("every_dtype", {"elements": b // 8 + 1, "seed": 22})
 
     # --- failures ------------------------------------------------------------------------------
 
