@@ -153,6 +153,20 @@ class TransportConformance:
         conformance_cluster.ensure_ready()
         return conformance_cluster
 
+    def _cluster_of_its_own(
+        self, settings: KitSettings, shape: Shape, options: dict[str, Any], call_timeout_s: float
+    ) -> ConformanceCluster:
+        """Worker processes for one test that needs other engine options than the class's."""
+        return ConformanceCluster(
+            backend=settings.backend,
+            shape=shape,
+            bucket_size=settings.bucket_size,
+            engine_options=options,
+            worker_options=lambda o, role, rank: self.worker_engine_options(o, role=role, rank=rank, shape=shape),
+            env=worker_environment(dict(settings.worker_env)),
+            call_timeout_s=call_timeout_s,
+        )
+
     def _engine(self, settings: KitSettings, extra: dict[str, Any] | None = None) -> CheckpointEngine:
         options = {**settings.engine_options, **(extra or {})}
         options = self.worker_engine_options(options, role="policy", rank=0, shape=Shape(1, 1))
@@ -325,23 +339,15 @@ class TransportConformance:
         next batch: the rollout worker digests each batch on arrival, so each lent view is
         checked before its buffer may be reused. Tiny tensors (lent a run at a time), tensors
         larger than a bucket (assembled) and every dtype, refit after refit."""
-        backend, bucket_size = conformance_settings.backend, conformance_settings.bucket_size
+        backend = conformance_settings.backend
         options = {**conformance_settings.engine_options, "borrow_received_tensors": True}
         try:
             check_engine_kwargs(resolve_backend(backend), options)
         except EngineOptionError:
             pytest.skip(f"{backend} takes no borrow_received_tensors option")
         shape = Shape(1, 1, Shape.coerce(type(self).shapes[0]).topology)
-        cluster = ConformanceCluster(
-            backend=backend,
-            shape=shape,
-            bucket_size=bucket_size,
-            engine_options=options,
-            worker_options=lambda o, role, rank: self.worker_engine_options(o, role=role, rank=rank, shape=shape),
-            env=worker_environment(dict(conformance_settings.worker_env)),
-            call_timeout_s=self.call_timeout_s,
-        )
-        b = bucket_size
+        cluster = self._cluster_of_its_own(conformance_settings, shape, options, self.call_timeout_s)
+        b = conformance_settings.bucket_size
         with cluster:
             cluster.ensure_ready()
             for seed in (20, 21):  # the second refit replays the first's layout
@@ -365,14 +371,8 @@ class TransportConformance:
             except EngineOptionError:
                 pass  # the engine has no such option: its own deadline must hold
         limit_s = timeout_s + self.peer_margin_s
-        cluster = ConformanceCluster(
-            backend=backend,
-            shape=shape,
-            bucket_size=bucket_size,
-            engine_options=options,
-            worker_options=lambda o, role, rank: self.worker_engine_options(o, role=role, rank=rank, shape=shape),
-            env=worker_environment(dict(conformance_settings.worker_env)),
-            call_timeout_s=max(self.call_timeout_s, limit_s + 30.0),
+        cluster = self._cluster_of_its_own(
+            conformance_settings, shape, options, max(self.call_timeout_s, limit_s + 30.0)
         )
         with cluster:
             cluster.ensure_ready()
