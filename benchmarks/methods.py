@@ -12,6 +12,8 @@ from __future__ import annotations
 import abc
 import dataclasses
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,8 @@ class Sample:
 
     seconds: float
     workers: tuple[WorkerSample, ...]
+    phases: dict[str, float] | None = None
+    """A refit with ``record_bucket_posts``: where its time went (see :func:`refit_phases`)."""
 
 
 def _worker_sample(label: str, role: str, record: dict[str, Any]) -> WorkerSample:
@@ -205,13 +209,20 @@ class RefitMethod(Method):
         assert self.coordinator is not None, "open() first"
         return self.coordinator.refit(weights=payload.weights, weights_params=payload.weights_params)
 
+    def record_bucket_posts(self) -> None:
+        """From now on, samples carry the sender's ``phases`` (see :func:`refit_phases`)."""
+        assert self.pool is not None, "open() first"
+        self._call("record_bucket_posts", [(0, "record_bucket_posts", {})])  # worker 0: the policy
+
     def sample(self, payload: Payload) -> Sample:
         report = self._refit(payload)
         sender = report.policy[0]
-        seconds = max(r["ended_at"] for r in report.rollout) - sender["started_at"]
+        ended_at = max(r["ended_at"] for r in report.rollout)
+        seconds = ended_at - sender["started_at"]
         workers = [_worker_sample("policy rank 0", "sender", sender)]
         workers += [_worker_sample(f"rollout rank {r['rank']}", "receiver", r) for r in report.rollout]
-        return Sample(seconds, tuple(workers))
+        phases = refit_phases(sender, ended_at) if "bucket_posts" in sender else None
+        return Sample(seconds, tuple(workers), phases)
 
     def close(self) -> None:
         coordinator, self.coordinator = self.coordinator, None
@@ -223,6 +234,31 @@ class RefitMethod(Method):
             pass  # the processes are closed next either way; the failure is already recorded
         finally:
             super().close()
+
+
+def refit_phases(sender: dict[str, Any], ended_at: float) -> dict[str, float]:
+    """Where a refit's time went, from its sender's bucket posts and statistics (seconds):
+
+    * ``producing``: the sender making and packing its weights up to its last post (time in the
+      weights' generator and copying into slots; without ``blocked``);
+    * ``blocked``: the sender waiting on the transport before its last post (a slot still in
+      flight), time it could not produce;
+    * ``after_last_post``: from the last post until the last receiver holds every tensor (the
+      bytes still on their way once everything is produced);
+    * ``first_post``: from the start to the first post (part of ``producing``): nothing can
+      move before the first bucket is made.
+
+    ``producing + blocked + after_last_post`` is the refit's end-to-end time.
+    """
+    posts = sender["bucket_posts"]
+    waited_after_last_post = sender["ended_at"] - posts[-1]
+    blocked = max(0.0, sender["stats"]["transfer_seconds"] - waited_after_last_post)
+    return {
+        "producing": posts[-1] - sender["started_at"] - blocked,
+        "blocked": blocked,
+        "after_last_post": ended_at - posts[-1],
+        "first_post": posts[0] - sender["started_at"],
+    }
 
 
 class FloorMethod(Method):
@@ -265,6 +301,75 @@ class FloorMethod(Method):
         workers = [_worker_sample("raw sender", "sender", records[0])]
         workers += [_worker_sample(f"raw receiver {i}", "receiver", r) for i, r in enumerate(records[1:], 1)]
         return Sample(seconds, tuple(workers))
+
+
+class BesideProducing(Method):
+    """Another method's sample, taken while a process of its own produces weights over and over.
+
+    It shows how fast that method moves bytes when producing takes its share of the machine
+    (a core, and the memory bandwidth every core shares), as it does inside a refit of produced
+    weights. The producer runs with ``threads`` (the refit's policy process's share); the
+    sample is refused unless producing covered it from start to end.
+    """
+
+    def __init__(self, inner: Method, *, key: str, label: str, threads: int, produce_s: float = 1.0) -> None:
+        super().__init__(timeout_s=inner.timeout_s)
+        self.inner = inner
+        self.key, self.label = key, label
+        self.kind, self.shape, self.bucket_size = inner.kind, inner.shape, inner.bucket_size
+        self.producer = ProduceMethod(
+            key=f"{key}_producer", label="producer", timeout_s=inner.timeout_s, threads=threads
+        )
+        self.produce_s = produce_s
+        """How long each producer call keeps producing: longer than the inner sample takes."""
+        self.producing: Payload | None = None
+        """The weights produced beside each sample (set before sampling)."""
+
+    def open(self) -> None:
+        self.producer.open()
+        self.inner.open()
+
+    def warm_up(self, payload: Payload) -> None:
+        self.inner.warm_up(payload)
+
+    def sample(self, payload: Payload) -> Sample:
+        producing = self.producing
+        assert producing is not None, "set producing first"
+        records: list[dict[str, Any]] = []
+        errors: list[BaseException] = []
+
+        def produce() -> None:
+            try:
+                records.append(self.producer.produce_for(producing, self.produce_s))
+            except BaseException as exc:  # re-raised below, on the caller's thread
+                errors.append(exc)
+
+        thread = threading.Thread(target=produce, name="beside-producing")
+        thread.start()
+        time.sleep(0.05)  # the producer's first tensors are under way before the sample starts
+        before = time.perf_counter()
+        try:
+            sample = self.inner.sample(payload)
+        finally:
+            thread.join(self.timeout_s)
+        after = time.perf_counter()
+        if errors:
+            raise errors[0]
+        if thread.is_alive() or not records:
+            raise RuntimeError(f"{self.label}: the producer did not answer within {self.timeout_s:g} s")
+        (record,) = records
+        if not record["started_at"] <= before and after <= record["ended_at"]:
+            raise RuntimeError(
+                f"{self.label}: producing ({record['started_at']:.3f}-{record['ended_at']:.3f}) did not cover "
+                f"the sample ({before:.3f}-{after:.3f}); raise produce_s above {self.produce_s:g}"
+            )
+        return Sample(sample.seconds, (*sample.workers, _worker_sample("producer", "local", record)), sample.phases)
+
+    def close(self) -> None:
+        try:
+            self.inner.close()
+        finally:
+            self.producer.close()
 
 
 class MemcpyMethod(Method):
@@ -377,6 +482,14 @@ class ProduceMethod(Method):
         )
         self.layout = record.pop("layout")
         return Sample(record["ended_at"] - record["started_at"], (_worker_sample("producer", "local", record),))
+
+    def produce_for(self, payload: Payload, seconds: float) -> dict[str, Any]:
+        """Produce ``payload`` over and over for at least ``seconds``; the producer's record
+        (``started_at`` and ``ended_at`` on the ``time.perf_counter()`` clock all workers share)."""
+        kwargs = {"weights": payload.weights, "weights_params": payload.weights_params, "min_seconds": seconds}
+        (record,) = self._call("produce", [(0, "produce", kwargs)])
+        record.pop("layout")
+        return dict(record)
 
 
 class NaiveLoopMethod(Method):

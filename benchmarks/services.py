@@ -20,8 +20,10 @@ from typing import Any
 
 import torch
 
+from ckpt_core import hooks
 from ckpt_core._internal.dtypes import dtype_from_name, dtype_name
 from ckpt_core.bench.baselines import RawGlooWorker
+from ckpt_core.hookspecs import hookimpl
 from ckpt_core.orchestration.worker import RefitWorker
 from ckpt_core.orchestration.workload import load_target
 
@@ -61,20 +63,45 @@ class _Measured:
         return record
 
 
+class _BucketPosts:
+    """A hook observer: when (``time.perf_counter()``) this process handed each bucket of its
+    latest refit to the transport."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    @hookimpl
+    def ckpt_core_refit_started(self) -> None:
+        self.times = []
+
+    @hookimpl
+    def ckpt_core_bucket_sent(self) -> None:
+        self.times.append(time.perf_counter())
+
+
 class BenchRefitWorker(RefitWorker, _Measured):
     """A :class:`~ckpt_core.orchestration.worker.RefitWorker` whose refit results also carry ``started_at``,
     ``ended_at`` (this side's transfer, without digests) and the memory fields above.
 
     ``set_verify`` switches per-tensor digests, so a benchmark verifies its warm-up refit
-    bit-exact and times refits that compute none.
+    bit-exact and times refits that compute none. After ``record_bucket_posts()`` a sender's
+    results also carry ``bucket_posts``: when it handed each bucket to the transport (an
+    observer of the ``bucket_sent`` hook, left off otherwise so other measurements run with no
+    hook implemented).
     """
 
     def __init__(self, **kwargs: Any) -> None:
         _Measured.__init__(self)
         RefitWorker.__init__(self, **kwargs)
+        self._bucket_posts: _BucketPosts | None = None
 
     def set_verify(self, *, enabled: bool) -> None:
         self.verify = bool(enabled)
+
+    def record_bucket_posts(self) -> None:
+        if self._bucket_posts is None:
+            self._bucket_posts = _BucketPosts()
+            hooks.register(self._bucket_posts, name="benchmarks-bucket-posts")
 
     def refit(
         self, *, refit_index: int, weights: str | None = None, weights_params: dict[str, Any] | None = None
@@ -85,6 +112,8 @@ class BenchRefitWorker(RefitWorker, _Measured):
         # wall_seconds ends when the last tensor is in hand, before digests and before the
         # received tensors are freed.
         record.update(started_at=start, ended_at=start + result["wall_seconds"])
+        if self._bucket_posts is not None and self._bucket_posts.times:
+            record["bucket_posts"] = list(self._bucket_posts.times)
         result.update(self._end(record))
         return result
 
@@ -217,12 +246,17 @@ class ProduceWorker(_Measured):
     """Producing alone: run a weights factory to its end, dropping each tensor once made, as
     a sender that had nothing to send would (the "produce alone" side of the overlap check)."""
 
-    def produce(self, *, weights: str, weights_params: dict[str, Any]) -> dict[str, Any]:
+    def produce(self, *, weights: str, weights_params: dict[str, Any], min_seconds: float = 0.0) -> dict[str, Any]:
+        """Run the factory to its end once, and again until ``min_seconds`` have passed (to keep
+        producing beside another measurement)."""
         record = self._begin()
         start = time.perf_counter()
-        layout = []
-        for _, tensor in _weights(weights, weights_params):
-            layout.append({"shape": list(tensor.shape), "dtype": dtype_name(tensor.dtype)})
+        while True:
+            layout = []
+            for _, tensor in _weights(weights, weights_params):
+                layout.append({"shape": list(tensor.shape), "dtype": dtype_name(tensor.dtype)})
+            if time.perf_counter() - start >= min_seconds:
+                break
         end = time.perf_counter()
         record.update(started_at=start, ended_at=end, layout=layout)
         return self._end(record)

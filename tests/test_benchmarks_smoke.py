@@ -131,10 +131,26 @@ def test_the_producing_workload_runs_side_by_side(tmp_path: Path) -> None:
     # producing alone gets the threads the refit's policy process has: half the cores
     assert results["produce_threads"] == max(1, (os.cpu_count() or 2) // 2)
     for mode, result in results["modes"].items():
-        expected = {"produce", "produce_all_cores", "refit", "raw", "naive", "refit_ready"}
+        expected = {
+            "produce",
+            "produce_all_cores",
+            "refit",
+            "raw",
+            "raw_beside_producing",
+            "naive",
+            "refit_ready",
+            "refit_ready_beside_producing",
+        }
         assert set(result["median_seconds"]) == expected, mode
         assert all(seconds > 0 for seconds in result["median_seconds"].values()), mode
         assert result["payload_bytes"] > 0 and result["speedup_over_naive"] > 0
+        # the refit's phases, from its sender's bucket posts, add up to its end-to-end time
+        phases = {key: values[0] for key, values in result["refit_phases_seconds"].items()}
+        assert set(phases) == {"producing", "blocked", "after_last_post", "first_post"}, mode
+        assert all(value >= 0 for value in phases.values()), (mode, phases)
+        total = phases["producing"] + phases["blocked"] + phases["after_last_post"]
+        assert total == pytest.approx(result["seconds"]["refit"][0], abs=1e-6), (mode, phases)
+        assert phases["first_post"] <= phases["producing"] + phases["blocked"], (mode, phases)
     # cast-bf16 turns the payload's fp32 norms into bf16: fewer bytes than the ready payload
     assert results["modes"]["cast-bf16"]["payload_bytes"] < results["modes"]["cast-bf16"]["ready_payload_bytes"]
     assert results["modes"]["fill"]["payload_bytes"] == results["modes"]["fill"]["ready_payload_bytes"]
