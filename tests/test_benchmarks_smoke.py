@@ -151,10 +151,18 @@ def test_the_producing_workload_runs_side_by_side(tmp_path: Path) -> None:
         total = phases["producing"] + phases["blocked"] + phases["after_last_post"]
         assert total == pytest.approx(result["seconds"]["refit"][0], abs=1e-6), (mode, phases)
         assert phases["first_post"] <= phases["producing"] + phases["blocked"], (mode, phases)
+        # what the machine allows: the refit's CPU time by process role, and two floors from it
+        assert set(result["median_refit_cpu_seconds"]) == {"sender", "receiver"}, mode
+        assert all(cpu > 0 for cpu in result["median_refit_cpu_seconds"].values()), mode
+        floors = result["floor_seconds"]
+        assert floors["producer_thread"] > result["median_seconds"]["produce"], (mode, floors)
+        assert floors["cpu"] >= result["median_refit_phases_seconds"]["first_post"], (mode, floors)
+        assert result["over_floor"] == pytest.approx(result["median_seconds"]["refit"] / max(floors.values()))
     # cast-bf16 turns the payload's fp32 norms into bf16: fewer bytes than the ready payload
     assert results["modes"]["cast-bf16"]["payload_bytes"] < results["modes"]["cast-bf16"]["ready_payload_bytes"]
     assert results["modes"]["fill"]["payload_bytes"] == results["modes"]["fill"]["ready_payload_bytes"]
-    assert "| cast-bf16 |" in (tmp_path / "produce.md").read_text()
+    markdown = (tmp_path / "produce.md").read_text()
+    assert "| cast-bf16 |" in markdown and f"What {results['cores']} cores allow" in markdown
 
 
 @pytest.mark.parametrize("topology", ["paired", "fanout"])
