@@ -29,9 +29,13 @@ A sender whose weights fail mid-stream (its generator raises, a weight is not a 
 repeats) posts an ``abort`` header, so receivers fail at once with ``RemoteRefitError`` instead
 of timing out.
 
-The sender reads a yielded tensor until the bucket holding its last chunk has been delivered
-(direct chunks are sent from it), so weights must not be modified in place while
-``send_refit`` runs; a generator that refills one buffer must yield a copy of it.
+What the sender reads of a yielded tensor, and until when (the generator's contract, in
+docs/reliability.md): a packed chunk is copied before the next weight is asked for; a direct
+chunk is read until its bucket's slot is waited on again, i.e. until the weights yielded after
+the tensor hold more than ``num_slots * bucket_size`` bytes, or the refit ends. A direct chunk's
+storage is checked when its bucket is posted (a generator that freed it is refused, where Gloo
+would abort on it), and with a checksum its digest is taken as it is yielded. Replays read no
+tensor later than the first refit did (:mod:`ckpt_core._internal.replay`).
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ import xxhash
 from ckpt_core._internal.assembly import ChunkAssembler, Landing, SmallRun, SmallTensorLander, plan_small_runs
 from ckpt_core._internal.checksum import payload_checksum
 from ckpt_core._internal.host_memory import SMALL_COPY_BYTES, host_address, prefault
-from ckpt_core._internal.replay import LayoutRecord, RecordedBucket, replays
+from ckpt_core._internal.replay import LayoutRecord, RecordedBucket, held_apart, replays
+from ckpt_core._internal.storage_check import check_still_held
 from ckpt_core._internal.wire import BucketHeader, HeaderMemo, decode_header, encode_chunks, encode_header
 from ckpt_core.chunking import split_weight_chunks_bounded, tensor_bytes
 from ckpt_core.contract import TensorMeta
@@ -91,14 +96,18 @@ def direct_min_bytes(bucket_size: int) -> int:
 
 
 def bucket_digest(checksum: Checksum, parts: Sequence[torch.Tensor]) -> int:
-    """One digest for a bucket's parts: its packed payload, then each direct chunk.
+    """One digest for a bucket's parts: its packed payload, then each direct chunk."""
+    return combined_digest([(part.numel(), checksum(part)) for part in parts])
 
-    A bucket without direct chunks is digested as its payload alone; otherwise the digest is
-    xxh3_64 over every part's length and digest, so a part moved, resized or swapped changes it.
-    """
+
+def combined_digest(parts: Sequence[tuple[int, int]]) -> int:
+    """One digest for a bucket's parts given as ``(length, digest)``: the packed payload, then
+    each direct chunk. A bucket without direct chunks is digested as its payload alone;
+    otherwise the digest is xxh3_64 over every part's length and digest, so a part moved,
+    resized or swapped changes it."""
     if len(parts) == 1:
-        return checksum(parts[0])
-    words = [value for part in parts for value in (part.numel(), checksum(part))]
+        return parts[0][1]
+    words = [value for part in parts for value in part]
     return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(words)}Q", *words))
 
 
@@ -196,6 +205,9 @@ class _BucketPacker:
         # (all of them, for receivers that lend their buffers out: direct=False).
         self.keep_whole = refit.bucket_size if not direct else min(KEEP_WHOLE_BYTES, refit.bucket_size)
         self.record = record
+        # With a record, the small tensors each bucket copies are kept until it is posted, to
+        # learn whether their memory outlived the weights yielded after them (see post()).
+        self.tracks_sources = record is not None and self.packs_itself
         self.settings = (
             refit.bucket_size,
             self.direct_min,
@@ -211,6 +223,9 @@ class _BucketPacker:
         self.bucket_index = 0
         self.chunks: list[TensorMeta] = []
         self.direct: list[torch.Tensor] = []
+        self.direct_names: list[str] = []  # per direct chunk: its weight, for messages
+        self.direct_digests: list[tuple[int, int]] = []  # per direct chunk: (length, digest)
+        self.sources: list[tuple[int, int, torch.Tensor]] = []  # small whole tensors copied: (address, bytes, tensor)
         self.layout_ends: list[int] = []  # per chunk of the open bucket: the layout's end after it
         self.repeated: RecordedBucket | None = None  # the recorded bucket the open one repeats whole
         self.replayable = True  # every chunk of the open bucket is from a host tensor
@@ -241,8 +256,7 @@ class _BucketPacker:
         self.repeated = None  # the chunk list differs from the replayed one now
         if self.direct_min is not None and meta.chunk_size >= self.direct_min and chunk.device == self.buffer.device:
             self.chunks.append(TensorMeta(meta.name, meta.shape, meta.dtype, meta.chunk_offset, meta.chunk_size, None))
-            self.direct.append(chunk)
-            self.stats.direct_chunks += 1
+            self._add_direct(meta.name, chunk)
             self.layout_ends.append(self.layout_end)
             self.replayable = self.replayable and chunk.is_cpu
             return
@@ -255,6 +269,8 @@ class _BucketPacker:
             start = time.perf_counter()  # inline, not _timed: this runs once per chunk
             if self.host_base is not None and meta.chunk_size <= SMALL_COPY_BYTES and chunk.is_cpu:
                 ctypes.memmove(self.host_base + offset, chunk.data_ptr(), meta.chunk_size)
+                if self.tracks_sources and meta.chunk_offset == 0 and meta.chunk_size == meta.nbytes:
+                    self.sources.append((chunk.data_ptr(), meta.chunk_size, chunk))
             else:
                 self.sender.pack(self.slot, offset, chunk)
             self.stats.pack_seconds += time.perf_counter() - start
@@ -265,6 +281,18 @@ class _BucketPacker:
         self.layout_ends.append(self.layout_end)
         if not chunk.is_cpu:
             self.replayable = False
+
+    def _add_direct(self, name: str, chunk: torch.Tensor) -> None:
+        """Queue a direct chunk of weight ``name`` for the open bucket. Its digest (with
+        checksums on) is taken now, as the weight is yielded: bytes the generator changes
+        before the transfer reads them then fail the receiver's check."""
+        self.direct.append(chunk)
+        self.direct_names.append(name)
+        if self.refit.checksum is not None:
+            start = time.perf_counter()  # inline, not _timed: this runs once per direct chunk
+            self.direct_digests.append((chunk.numel(), self.refit.checksum(chunk)))
+            self.stats.checksum_seconds += time.perf_counter() - start
+        self.stats.direct_chunks += 1
 
     async def replay(self, weights: Iterator[Any]) -> tuple[Iterator[Any], tuple[int, int]]:
         """Repeat the record's buckets while ``weights`` repeat their tensors: each chunk is
@@ -312,6 +340,8 @@ class _BucketPacker:
                 if offset is not None and base is not None and size <= SMALL_COPY_BYTES:
                     if size:
                         memmove(base + offset, address + meta.chunk_offset, size)
+                        if meta.chunk_offset == 0 and size == meta.nbytes:
+                            self.sources.append((address, size, item[1]))
                 else:
                     self._replay_chunk(meta, item[1])
             self._replayed(tensors, start)
@@ -332,8 +362,7 @@ class _BucketPacker:
         chunk, or one the transport packs) as it moved last time."""
         data = tensor_bytes(tensor)[meta.chunk_offset : meta.chunk_offset + meta.chunk_size]
         if meta.offset is None:
-            self.direct.append(data)
-            self.stats.direct_chunks += 1
+            self._add_direct(meta.name, data)
         else:
             self.sender.pack(self.slot, meta.offset, data)
 
@@ -374,10 +403,13 @@ class _BucketPacker:
     async def post(self, *, last: bool) -> None:
         """Post the open bucket: the slot's packed bytes, then its direct chunks."""
         refit = self.refit
+        for name, chunk in zip(self.direct_names, self.direct):  # their bytes are read from now on
+            check_still_held(name, chunk)
         digest = None
         if refit.checksum is not None:
             with _timed(self.stats, "checksum_seconds"):
-                digest = bucket_digest(refit.checksum, [self.buffer[: self.packed_end], *self.direct])
+                payload = (self.packed_end, refit.checksum(self.buffer[: self.packed_end]))
+                digest = combined_digest([payload, *self.direct_digests])
         chunks = tuple(self.chunks)
         header = BucketHeader(
             refit_index=refit.context.refit_index,
@@ -396,16 +428,15 @@ class _BucketPacker:
                 self.sender.post(self.slot, raw, self.packed_end, refit.timeout_s)
         nbytes = self.packed_end + sum(chunk.numel() for chunk in self.direct)
         refit.notifier.bucket_sent(refit.context, self.bucket_index, nbytes, len(chunks))
-        if self.record is not None:  # a bucket repeated whole keeps its record (and its spans)
-            repeated = self.repeated
-            small = SMALL_COPY_BYTES if self.host_base is not None else None
-            self.record.add(
-                repeated or RecordedBucket(chunks, self.layout_ends, self.replayable, encoded, small_bytes=small)
-            )
+        if self.record is not None:
+            self._record(chunks, encoded)
         self.stats.buckets += 1
         self.bucket_index += 1
         self.chunks = []
         self.direct = []
+        self.direct_names = []
+        self.direct_digests = []
+        self.sources = []
         self.repeated = None
         self.layout_ends = []
         self.replayable = True
@@ -413,6 +444,24 @@ class _BucketPacker:
         if not last:
             self.buffer = self._acquire_slot()
             await asyncio.sleep(0)  # let the caller's event loop breathe between buckets
+
+    def _record(self, chunks: tuple[TensorMeta, ...], encoded: bytes) -> None:
+        """Record the bucket just posted. Its small tensors may be replayed in spans (several
+        taken from the generator before the first is copied) only if they could have been
+        here: each still had its memory, apart from the others', when the bucket closed, after
+        the generator had yielded every later tensor of the bucket and the next one. A
+        generator that frees or refills a weight once it yields the next is then replayed one
+        tensor at a time, as this refit read it. A bucket repeated whole keeps its record
+        while that answer stays the same."""
+        assert self.record is not None
+        spans_safe = self.host_base is not None and held_apart(self.sources)
+        repeated = self.repeated
+        if repeated is None or repeated.spans_safe != spans_safe:
+            small = SMALL_COPY_BYTES if spans_safe else None
+            repeated = RecordedBucket(
+                chunks, self.layout_ends, self.replayable, encoded, small_bytes=small, spans_safe=spans_safe
+            )
+        self.record.add(repeated)
 
     def abort(self, message: str) -> None:
         """Tell receivers this refit is void. Best effort: the refit is failing anyway."""

@@ -13,6 +13,16 @@ their bytes are copied into the slot by one ``torch.cat`` per group of tensors o
 trailing shape. That is half the per-tensor cost of checking and copying them one by one,
 which is most of a refit of many small tensors.
 
+A span takes its tensors from the generator before it copies the first, so it reads a tensor
+later than the first refit did (which copied each small tensor before asking for the next).
+A bucket has spans only where that is safe for this generator: where its refit saw every small
+tensor of the bucket still in its own memory, apart from the others', once the generator had
+gone past them (:func:`held_apart`; a generator that frees or refills a weight as it yields the
+next fails that, and its buckets are replayed one tensor at a time, reading each tensor when
+the first refit did). A span checks the same of its own tensors again, and refuses a tensor
+whose memory another span tensor shares (:meth:`ReplaySpan.repeats`): its bytes may already be
+another weight's, and the refit must fail rather than send them.
+
 Only host tensors are replayed (a bucket holding a chunk of a device tensor ends the replay).
 A tensor that differs in any way (name, shape, dtype, not a plain contiguous host tensor, a
 storage that does not hold its bytes) ends it too: that tensor and every later one are laid
@@ -29,6 +39,7 @@ from typing import Any
 import torch
 
 from ckpt_core.contract import TensorMeta
+from ckpt_core.errors import UnsupportedTensorError
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_TYPES = frozenset(_PLAIN)
@@ -49,9 +60,11 @@ class RecordedBucket:
     """One bucket of a recorded refit: its chunks, where the layout ended after each of them,
     whether the next refit may replay it (every chunk came from a host tensor), its encoded
     chunk list, and its spans of small tensors (:class:`ReplaySpan`, by the index of their
-    first chunk; none unless ``small_bytes`` is given, the most a span's tensor may hold)."""
+    first chunk; none unless ``small_bytes`` is given, the most a span's tensor may hold).
+    ``spans_safe``: whether the refit that sent it found spans safe for its generator (see
+    the module docstring); spans are found only then."""
 
-    __slots__ = ("chunks", "layout_ends", "replayable", "encoded", "spans")
+    __slots__ = ("chunks", "layout_ends", "replayable", "encoded", "spans", "spans_safe")
 
     def __init__(
         self,
@@ -61,14 +74,17 @@ class RecordedBucket:
         encoded: bytes,
         *,
         small_bytes: int | None = None,
+        spans_safe: bool = True,
     ) -> None:
         self.chunks = tuple(chunks)
         self.layout_ends = tuple(layout_ends)
         self.replayable = replayable
         self.encoded = encoded
         """The chunk list as the header carried it (:func:`~ckpt_core._internal.wire.encode_chunks`)."""
+        self.spans_safe = spans_safe
         # Worked out here, in the refit that lays the bucket out, so that every replay is alike.
-        self.spans = find_spans(self.chunks, small_bytes) if small_bytes is not None and replayable else {}
+        found = small_bytes is not None and replayable and spans_safe
+        self.spans = find_spans(self.chunks, small_bytes) if found and small_bytes is not None else {}
 
 
 class LayoutRecord:
@@ -126,6 +142,23 @@ def replays(item: Any, meta: TensorMeta) -> int | None:
     return address
 
 
+def held_apart(sources: Sequence[tuple[int, int, torch.Tensor]]) -> bool:
+    """Whether each ``(address, bytes, tensor)`` taken earlier still has its memory where it
+    was then (not freed, shrunk or moved), and no two of those byte ranges overlap (a buffer
+    the generator refills, or one tensor yielded twice)."""
+    for address, nbytes, tensor in sources:
+        storage = tensor.untyped_storage()
+        start = storage.data_ptr()
+        if tensor.data_ptr() != address or not start <= address or address + nbytes > start + storage.nbytes():
+            return False
+    return _apart(sorted((address, nbytes) for address, nbytes, _ in sources))
+
+
+def _apart(ranges: Sequence[tuple[int, int]]) -> bool:
+    """Whether sorted ``(address, bytes)`` ranges are pairwise disjoint."""
+    return all(address + nbytes <= following for (address, nbytes), (following, _) in zip(ranges, ranges[1:]))
+
+
 class ReplaySpan:
     """Chunks ``[first, stop)`` of a recorded bucket, replayed together: small tensors, each
     whole in one packed chunk, in groups that are each copied by one ``torch.cat``: ``(first,
@@ -156,7 +189,9 @@ class ReplaySpan:
     def repeats(self, items: list[Any]) -> list[torch.Tensor] | None:
         """The tensors of ``items`` if they are the span's recorded tensors again, checked as
         :func:`replays` checks one (a conjugate or negative view is fine here: ``torch.cat``
-        resolves it); ``None`` for anything else."""
+        resolves it); ``None`` for anything else. ``UnsupportedTensorError`` if two of them
+        share memory: taken together, the earlier one's bytes may already be the later one's
+        (a buffer the generator refills), which this generator's first refit did not show."""
         try:
             names = [name for name, _ in items]
             tensors = [tensor for _, tensor in items]
@@ -175,8 +210,18 @@ class ReplaySpan:
             offsets = map(_storage_offset, tensors)
             if any(h < o * i + n for h, o, i, n in zip(held, offsets, self.itemsizes, self.needed)):
                 return None
+            addresses = list(map(_data_ptr, tensors))
         except Exception:  # noqa: BLE001 - not (name, tensor) pairs, or tensors without storage
             return None
+        ranges = sorted(zip(addresses, self.needed, range(len(addresses))))
+        for (address, nbytes, first), (following, _, second) in zip(ranges, ranges[1:]):
+            if address + nbytes > following:
+                raise UnsupportedTensorError(
+                    f"weights {self.names[first]!r} and {self.names[second]!r} share memory, which the first "
+                    "refit of this layout did not show: the earlier one's bytes may already be the later one's. "
+                    "A generator that refills one buffer must do so in every refit, or yield copies; this "
+                    "refit is void, and the next one lays its weights out afresh"
+                )
         return tensors
 
     def copy(self, tensors: list[torch.Tensor], buffer: torch.Tensor) -> bool:
@@ -198,6 +243,7 @@ _layout = operator.attrgetter("layout")
 _is_cpu = operator.attrgetter("is_cpu")
 _is_contiguous = operator.methodcaller("is_contiguous")
 _storage_offset = operator.methodcaller("storage_offset")
+_data_ptr = operator.methodcaller("data_ptr")
 
 
 def find_spans(chunks: Sequence[TensorMeta], small_bytes: int) -> dict[int, ReplaySpan]:

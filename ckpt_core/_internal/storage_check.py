@@ -42,11 +42,7 @@ def check_storage(name: str, tensor: torch.Tensor) -> None:
             f"weight {name!r} ({type(tensor).__name__}) has no data: its storage is on the meta "
             "device (a FakeTensor or a meta tensor); yield a materialized tensor"
         )
-    if tensor.is_contiguous():
-        last = numel - 1
-    else:
-        last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-    needed = (offset + last + 1) * tensor.dtype.itemsize
+    needed = _bytes_viewed(tensor, int(offset))
     if available < needed or address == 0:
         freed = " (it was freed: resize_(0), as FSDP does to unsharded parameters)" if available == 0 else ""
         raise UnsupportedTensorError(
@@ -54,3 +50,31 @@ def check_storage(name: str, tensor: torch.Tensor) -> None:
             "yield the weight while its storage is allocated (e.g. inside FSDP's summon_full_params "
             "or after unsharding), never after freeing it"
         )
+
+
+def check_still_held(name: str, tensor: torch.Tensor) -> None:
+    """``UnsupportedTensorError`` unless ``tensor`` (a plain tensor :func:`check_storage`
+    accepted when it was yielded) still has the memory it views: checked where the sender
+    reads a weight's bytes after the generator has gone on (a direct chunk, posted with its
+    bucket), since a generator may free a weight's storage once it yielded the next one."""
+    if tensor.numel() == 0:
+        return
+    storage = tensor.untyped_storage()
+    if storage.data_ptr() and storage.nbytes() >= _bytes_viewed(tensor, int(tensor.storage_offset())):
+        return
+    raise UnsupportedTensorError(
+        f"weight {name!r} was freed (its storage now holds {storage.nbytes()} bytes) after it was yielded "
+        "and before the sender read it: a weight sent direct (a chunk of 1 MiB or more) is read until its "
+        "bucket's transfer completes, so keep each weight's storage allocated and its bytes unchanged until "
+        "the weights yielded after it hold more than two buckets' bytes (docs/reliability.md, 'The weights "
+        "generator'), or yield a copy (clone()) of a weight whose storage the generator frees or reuses"
+    )
+
+
+def _bytes_viewed(tensor: torch.Tensor, offset: int) -> int:
+    """Bytes of its storage that ``tensor`` (of at least one element) addresses, from the start."""
+    if tensor.is_contiguous():
+        last = tensor.numel() - 1
+    else:
+        last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return (offset + last + 1) * tensor.dtype.itemsize
