@@ -16,7 +16,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from ckpt_core.errors import EngineOptionError, WireFormatError
+from ckpt_core.errors import EngineOptionError, PeerLostError, WireFormatError
 
 AGREED_KEY = "agreed"
 """The metadata field holding a worker's agreed settings (a JSON object)."""
@@ -72,6 +72,9 @@ def check_metadata_agreement(
 _VIEW_KEY = "agree/view/"
 _OUTCOME_KEY = "agree/outcome"
 _POLICY = "policy rank 0"
+_MISMATCH = "mismatch: "
+"""Prefix of an outcome that names a setting that differs; any other outcome but ``"ok"`` says
+policy rank 0 gave up (a member that never came): a lost peer, not a bad option."""
 
 
 def _view_of(store: Any, identity: str) -> Any:
@@ -92,8 +95,9 @@ def agree_as_policy(store: Any, owner: str, view: Mapping[str, Any], members: li
         for member in members:
             diffs = differences(view, _view_of(store, member))
             if diffs:
-                outcome = mismatch_message(owner, member, diffs, view)
-                raise EngineOptionError(outcome)
+                message = mismatch_message(owner, member, diffs, view)
+                outcome = _MISMATCH + message
+                raise EngineOptionError(message)
     except BaseException as exc:
         if outcome == "ok":
             outcome = f"policy rank 0 gave up waiting for the other workers: {type(exc).__name__}: {exc}"
@@ -106,11 +110,14 @@ def agree_as_policy(store: Any, owner: str, view: Mapping[str, Any], members: li
 
 
 def agree_as_member(store: Any, owner: str, view: Mapping[str, Any], identity: str) -> None:
-    """Any other worker: publish ``view``, compare policy rank 0's with it, wait for the outcome."""
+    """Any other worker: publish ``view``, compare policy rank 0's with it, wait for the outcome:
+    ``EngineOptionError`` if a setting differs, ``PeerLostError`` if policy rank 0 gave up."""
     store.set(_VIEW_KEY + identity, json.dumps(view))
     diffs = differences(view, _view_of(store, _POLICY))
     if diffs:
         raise EngineOptionError(mismatch_message(owner, _POLICY, diffs, view))
     outcome = bytes(store.get(_OUTCOME_KEY)).decode("utf-8", errors="replace")
+    if outcome.startswith(_MISMATCH):
+        raise EngineOptionError(f"{owner}: {identity} cannot join: {outcome.removeprefix(_MISMATCH)}")
     if outcome != "ok":
-        raise EngineOptionError(f"{owner}: {identity} cannot join: {outcome}")
+        raise PeerLostError(f"{owner}: {identity} cannot join: {outcome}")

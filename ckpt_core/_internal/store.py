@@ -12,10 +12,90 @@ rank 0) or the client connection (everyone else). Groups never use the store aft
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from ckpt_core.errors import PeerLostError, WireFormatError
+
+MAX_HOST_CHARS = 253
+"""The longest host name DNS allows; a longer ``host`` in a peer's metadata is refused at once."""
+
+_RETRY_S = 0.05
+
+
+def join_store(host: Any, port: Any, timeout_s: float, *, who: str) -> Any:
+    """A ``TCPStore`` client of the store ``who`` serves at ``host:port``, reached within
+    ``timeout_s`` or ``PeerLostError`` saying how long it tried.
+
+    ``TCPStore`` alone has no such deadline: it retries a refused connection for up to about
+    twice its timeout, and it waits without end on a socket that accepts connections but is
+    never served. So this side first connects itself, retrying until the deadline, and starts
+    the client only once the socket accepts (the server listens only while it serves, see
+    ``DistributedEngine._prepare_transport``); the client is then built on a helper thread,
+    given what is left of the deadline. A client that still hangs (its server froze after it
+    began to listen) is abandoned on that thread, which ends when the server's process does.
+    The store keeps ``timeout_s`` as the timeout of its later operations.
+    """
+    if not isinstance(host, str) or not 0 < len(host) <= MAX_HOST_CHARS:
+        shown = f"{host[:40]!r}... ({len(host)} characters)" if isinstance(host, str) else repr(host)[:80]
+        raise WireFormatError(f"{who}'s metadata has no valid host: {shown}")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        raise WireFormatError(f"{who}'s metadata has no valid port: {port!r}")
+    start = time.monotonic()
+    deadline = start + timeout_s
+    last_error = _wait_until_served(host, port, deadline)
+    if last_error is not None:
+        raise PeerLostError(
+            f"cannot reach {who}'s rendezvous at {host}:{port}: gave up after {time.monotonic() - start:.1f}s "
+            f"(timeout_s={timeout_s:g}; last error: {last_error}). It has not started its init, its init failed "
+            "before serving the rendezvous, or it is gone: check that worker's own error"
+        )
+    result: list[Any] = []
+
+    def connect() -> None:
+        try:
+            left = max(0.1, deadline - time.monotonic())
+            result.append(dist.TCPStore(host, port, None, False, timedelta(seconds=left)))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            result.append(exc)
+
+    thread = threading.Thread(target=connect, name="ckpt-rendezvous-client", daemon=True)
+    thread.start()
+    thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
+    if not result:
+        raise PeerLostError(
+            f"{who}'s rendezvous at {host}:{port} accepted the connection but did not answer: gave up after "
+            f"{time.monotonic() - start:.1f}s (timeout_s={timeout_s:g}); is that process stopped?"
+        )
+    store = result[0]
+    if isinstance(store, BaseException):
+        raise PeerLostError(
+            f"cannot reach {who}'s rendezvous at {host}:{port}: gave up after {time.monotonic() - start:.1f}s "
+            f"(timeout_s={timeout_s:g}): {str(store).splitlines()[0] if str(store) else type(store).__name__}"
+        ) from store
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
+
+
+def _wait_until_served(host: str, port: int, deadline: float) -> str | None:
+    """Connect to ``host:port`` until it accepts (``None``) or ``deadline`` passes (the last
+    error, as text)."""
+    last = "no attempt before the deadline"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return last
+        try:
+            with socket.create_connection((host, port), timeout=min(left, 2.0)):
+                return None
+        except (OSError, UnicodeError) as exc:  # refused, unreachable, unresolvable, timed out
+            last = f"{type(exc).__name__}: {exc}"
+        time.sleep(min(_RETRY_S, max(0.0, deadline - time.monotonic())))
 
 
 class DetachableStore(dist.Store):

@@ -30,6 +30,7 @@ from ckpt_core._internal.agreement import AGREED_KEY, check_metadata_agreement
 from ckpt_core._internal.checksum import payload_checksum
 from ckpt_core._internal.fanout import Destination, send_refit_each
 from ckpt_core._internal.host_memory import release_host_pool
+from ckpt_core._internal.json_data import json_data_problem
 from ckpt_core._internal.pipeline import Checksum, ReceiveMemo, receive_refit, send_refit
 from ckpt_core._internal.replay import LayoutRecord
 from ckpt_core._internal.wire import FORMAT_VERSION
@@ -237,8 +238,14 @@ class BucketedEngine(CheckpointEngine):
 
     def _agreed_settings(self) -> dict[str, Any]:
         """Settings every worker of this engine must share (plain JSON values), compared with
-        every peer's at init (:mod:`ckpt_core._internal.agreement`); transports add their own."""
-        return {"bucket_size": self.bucket_size, "checksum": self.checksum}
+        every peer's at init (:mod:`ckpt_core._internal.agreement`); transports add their own.
+        ``shard_expert_weights`` is one: a rollout that publishes its layout and a policy that
+        ignores it would send whole weights to a rank that expects its shards."""
+        return {
+            "bucket_size": self.bucket_size,
+            "checksum": self.checksum,
+            "shard_expert_weights": self.shard_expert_weights,
+        }
 
     # --- the seed lifecycle ------------------------------------------------------------
 
@@ -298,6 +305,18 @@ class BucketedEngine(CheckpointEngine):
             self._generation += 1
             if self.release_after_refit:
                 self._release_cached_memory()
+
+    def lends(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` shows memory this rollout engine lends out: a borrowed tensor
+        (``borrow_received_tensors``), or any view made from one, whose bytes change once the
+        next batch is asked for. Decided by the memory it views (one of the receiver's bucket
+        buffers), never by its size: a borrowed tensor may fill its buffer exactly. ``False``
+        for tensors the caller owns, and on an engine that lends nothing."""
+        receiver = self._receiver
+        if receiver is None or not self.borrow_received_tensors or tensor.is_meta:
+            return False
+        storage = tensor.untyped_storage().data_ptr()
+        return any(receiver.buffer(slot).untyped_storage().data_ptr() == storage for slot in range(receiver.num_slots))
 
     def get_target_weight_layout(self) -> dict[str, Any] | None:
         """With ``shard_expert_weights``: the ``"weight_layout"`` of the rollout worker this
@@ -414,7 +433,14 @@ class BucketedEngine(CheckpointEngine):
     async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None]) -> None:
         """Send one refit. Runs the transfer on the calling thread, yielding to the event loop
         between buckets. A policy rank without a receiver drains ``weights`` (its iterator may
-        run collectives with the ranks that do send)."""
+        run collectives with the ranks that do send).
+
+        A yielded tensor must keep its memory and bytes while the sender may still read it:
+        small ones are copied before the next weight is asked for; a chunk sent direct (1 MiB
+        or more, on transports that take them) is read until the weights yielded after it hold
+        more than two buckets' bytes. A generator that frees or refills a weight sooner yields
+        a copy of it (docs/reliability.md, "The weights generator"); a weight found freed is an
+        ``UnsupportedTensorError``."""
         self._require(_State.POLICY, "send_weights()")
         with self._refit_slot("send_weights()"):
             if self._sender is None:
@@ -560,6 +586,12 @@ class BucketedEngine(CheckpointEngine):
                 raise WireFormatError(
                     f"{owner}: metadata[{index}] is a {type(entry).__name__}, not a mapping: pass each "
                     "worker's prepare() result unchanged"
+                )
+            problem = json_data_problem(entry)
+            if problem is not None:
+                raise WireFormatError(
+                    f"{owner}: metadata[{index}] is not plain JSON data: {problem}; pass each worker's "
+                    "prepare() result unchanged (as JSON, if your orchestrator serializes it)"
                 )
             if entry.get("backend") != self.backend_name:
                 found = entry.get("backend")

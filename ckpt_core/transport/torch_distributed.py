@@ -1,10 +1,12 @@
 """Transports over dedicated ``torch.distributed`` process groups (Gloo, NCCL).
 
 Peers meet through a ``TCPStore`` served by policy rank 0 during ``init`` (every worker binds
-a listening socket in ``prepare()`` so it can advertise a port; only policy rank 0's becomes
-the store, at init). Groups are built on that store, under a per-``prepare`` prefix, and are
-never registered with ``torch.distributed``: the caller's default process group is never
-created, required or changed, and ``torch.distributed.is_initialized()`` stays as it was.
+a socket in ``prepare()`` so it can advertise a port; only policy rank 0's becomes the store,
+and listens, at init: before that a connection to it is refused, so the others retry until
+their ``timeout_s`` instead of waiting on a socket nobody serves). Groups are built on that
+store, under a per-``prepare`` prefix, and are never registered with ``torch.distributed``:
+the caller's default process group is never created, required or changed, and
+``torch.distributed.is_initialized()`` stays as it was.
 
 Once its groups have formed, a worker stops listening for strangers: it fences its Gloo
 listeners at once (:mod:`ckpt_core._internal.fence`) and drops the store; policy rank 0, once
@@ -40,6 +42,7 @@ import datetime
 import gc
 import socket
 import struct
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -50,7 +53,7 @@ from ckpt_core._internal.agreement import agree_as_member, agree_as_policy
 from ckpt_core._internal.auth import answer_challenge, host_challenge, resolve_token, verify_members
 from ckpt_core._internal.fence import ListenerFence, gloo_device, lazy_init
 from ckpt_core._internal.node_address import AUTO, HOST_ENV, node_address
-from ckpt_core._internal.store import DetachableStore
+from ckpt_core._internal.store import DetachableStore, join_store
 from ckpt_core._internal.wire import MAX_HEADER_BYTES
 from ckpt_core.errors import EngineOptionError, LifecycleError, PeerLostError, TransferTimeoutError, WireFormatError
 from ckpt_core.transport.engine import BucketedEngine
@@ -107,14 +110,20 @@ class Link:
         destroyed (``shutdown()`` does not), and peers notice a failure only then."""
         self.control = self.data = None
 
-    def post(self, group: Any, tensor: torch.Tensor, tag: int) -> Any:
+    def post(self, group: Any, tensor: torch.Tensor, tag: int, phase: str = "posting a message") -> Any:
+        """Start one message of ``tensor`` on ``group`` (a broadcast, or a send/recv with the
+        peer); a peer already gone is a ``PeerLostError`` here too (Gloo's point-to-point
+        calls fail at once on a closed pair, its broadcast only when waited on)."""
         if group is None:
             raise LifecycleError(f"the link with {self.peer} was released (finalize() ran during the refit)")
-        if self.broadcast:
-            return group.broadcast(tensor, 0)
-        if self.rank == 0:
-            return group.send([tensor], 1, tag)
-        return group.recv([tensor], 0, tag)
+        try:
+            if self.broadcast:
+                return group.broadcast(tensor, 0)
+            if self.rank == 0:
+                return group.send([tensor], 1, tag)
+            return group.recv([tensor], 0, tag)
+        except RuntimeError as exc:
+            raise self._typed(exc, phase, None) from exc
 
     def wait(self, pending: list[Any], timeout_s: float, phase: str) -> None:
         """Wait for every work in ``pending``, emptying it, with our error types.
@@ -129,12 +138,16 @@ class Link:
                 pending.pop(0)
         except RuntimeError as exc:
             pending.clear()
-            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            if "timed out" in text.lower() or "timeout" in text.lower():
-                raise TransferTimeoutError(
-                    f"{phase} with {self.peer}: no progress within timeout_s={timeout_s:g}s ({text})"
-                ) from exc
-            raise PeerLostError(f"{phase} with {self.peer} failed, the peer is gone: {text}") from exc
+            raise self._typed(exc, phase, timeout_s) from exc
+
+    def _typed(self, exc: RuntimeError, phase: str, timeout_s: float | None) -> Exception:
+        """Gloo's ``RuntimeError`` as ours: a timeout, or a lost peer."""
+        text = _first_line(exc)
+        if timeout_s is not None and ("timed out" in text.lower() or "timeout" in text.lower()):
+            return TransferTimeoutError(
+                f"{phase} with {self.peer}: no progress within timeout_s={timeout_s:g}s ({text})"
+            )
+        return PeerLostError(f"{phase} with {self.peer} failed, the peer is gone: {text}")
 
 
 class DistributedSender(BucketSender):
@@ -158,15 +171,15 @@ class DistributedSender(BucketSender):
         struct.pack_into("<Q", view, 0, len(header))
         view[8 : 8 + min(len(header), _FRAME_ROOM)] = header[:_FRAME_ROOM]
         link = self.link
-        works = [link.post(link.control, frame, _FRAME_TAG)]
+        works = [link.post(link.control, frame, _FRAME_TAG, "sending a bucket")]
         tensors = [frame]  # alive until the sends complete
         if len(header) > _FRAME_ROOM:
             rest = torch.frombuffer(bytearray(header[_FRAME_ROOM:]), dtype=torch.uint8)
-            works.append(link.post(link.control, rest, _HEADER_REST_TAG))
+            works.append(link.post(link.control, rest, _HEADER_REST_TAG, "sending a bucket"))
             tensors.append(rest)
         payloads = [self._buffers[slot][:nbytes], *direct] if nbytes else list(direct)
         for data in payloads:
-            works.append(link.post(link.data, data, _PAYLOAD_TAG))
+            works.append(link.post(link.data, data, _PAYLOAD_TAG, "sending a bucket"))
             tensors.append(data)
         self._in_flight[slot] = works
         self._sending[slot] = tensors
@@ -198,7 +211,7 @@ class DistributedReceiver(BucketReceiver):
     def expect_header(self) -> None:
         if not self._frame_in_flight:
             link = self.link
-            self._frame_in_flight = [link.post(link.control, self._frame, _FRAME_TAG)]
+            self._frame_in_flight = [link.post(link.control, self._frame, _FRAME_TAG, "receiving a bucket header")]
 
     def recv_header(self, timeout_s: float) -> bytes:
         self.expect_header()
@@ -212,13 +225,16 @@ class DistributedReceiver(BucketReceiver):
         if length <= _FRAME_ROOM:
             return head
         rest = torch.empty(length - _FRAME_ROOM, dtype=torch.uint8)
-        link.wait([link.post(link.control, rest, _HEADER_REST_TAG)], timeout_s, "receiving a bucket header")
+        phase = "receiving a bucket header"
+        link.wait([link.post(link.control, rest, _HEADER_REST_TAG, phase)], timeout_s, phase)
         return head + rest.numpy().tobytes()
 
     def post_payload(self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()) -> None:
         link = self.link
         targets = [self._buffers[slot][:nbytes], *direct] if nbytes else list(direct)
-        self._in_flight[slot] = [link.post(link.data, target, _PAYLOAD_TAG) for target in targets]
+        self._in_flight[slot] = [
+            link.post(link.data, target, _PAYLOAD_TAG, "receiving a bucket payload") for target in targets
+        ]
 
     def wait_payload(self, slot: int, timeout_s: float) -> None:
         self.link.wait(self._in_flight[slot], timeout_s, "receiving a bucket payload")
@@ -293,7 +309,7 @@ class DistributedEngine(BucketedEngine):
                     "on each node, or pass the address as host"
                 ) from exc
         self.host = host
-        self._listener: socket.socket | None = None  # bound in prepare(); the store's, at init
+        self._listener: socket.socket | None = None  # bound in prepare(); listens as the store, at init
         self._store: DetachableStore | None = None
         self._groups: list[Any] = []
         self._fences: list[ListenerFence] = []
@@ -328,15 +344,18 @@ class DistributedEngine(BucketedEngine):
         return {**super()._agreed_settings(), "topology": self.topology}
 
     def _prepare_transport(self) -> dict[str, Any]:
+        listener = socket.socket(_family(self.host), socket.SOCK_STREAM)
         try:
-            listener = socket.create_server((self.host, 0), family=_family(self.host), backlog=1024)
+            listener.bind((self.host, 0))
         except OSError as exc:
+            listener.close()
             raise EngineOptionError(
                 f"{type(self).__name__}: cannot listen on host={self.host!r} ({exc}); set host to "
                 "an address of this machine"
             ) from exc
-        # Only a bound socket until init: the kernel queues connections (at most the backlog),
-        # nothing reads them, and the store is served only while the groups form.
+        # Only bound, not listening, until init: a connection is refused (the kernel would
+        # otherwise accept it into a backlog nobody reads, and TCPStore's client waits on
+        # such a socket without end); policy rank 0 listens once it serves the store.
         self._listener = listener
         return {"host": self.host, "port": listener.getsockname()[1]}
 
@@ -354,6 +373,7 @@ class DistributedEngine(BucketedEngine):
                 "finalize(), then prepare() and init again on every worker"
             )
         if is_master:
+            listener.listen(1024)
             tcp_store = dist.TCPStore(
                 self.host,
                 listener.getsockname()[1],
@@ -366,15 +386,7 @@ class DistributedEngine(BucketedEngine):
         else:
             listener.close()
             first = metadata[0]
-            host, port = first.get("host"), first.get("port")
-            if not isinstance(host, str) or not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-                raise WireFormatError(f"metadata[0] has no valid host/port: {host!r}:{port!r}")
-            try:
-                tcp_store = dist.TCPStore(host, port, None, False, _timedelta(self.timeout_s))
-            except (RuntimeError, OSError) as exc:
-                raise PeerLostError(
-                    f"cannot reach policy rank 0's rendezvous store at {host}:{port} within {self.timeout_s:g}s: {exc}"
-                ) from exc
+            tcp_store = join_store(first.get("host"), first.get("port"), self.timeout_s, who="policy rank 0")
         self._store = DetachableStore(tcp_store)
         del tcp_store  # the DetachableStore holds the only reference: detaching closes it
         store = dist.PrefixStore(f"ckpt_core/{metadata[0]['engine_id']}/", self._store)
@@ -384,6 +396,7 @@ class DistributedEngine(BucketedEngine):
             "engine_ids": [entry.get("engine_id") for entry in metadata],
         }
         owner = type(self).__name__
+        start = time.monotonic()
         try:
             if is_master:
                 host_challenge(store, self._auth_token)
@@ -393,7 +406,10 @@ class DistributedEngine(BucketedEngine):
                 agree_as_member(store, owner, view, identity)
                 answer_challenge(store, self._auth_token, identity, "policy rank 0")
         except (RuntimeError, dist.DistError) as exc:
-            raise PeerLostError(f"rendezvous as {identity} did not complete within {self.timeout_s:g}s: {exc}") from exc
+            raise PeerLostError(
+                f"rendezvous as {identity} failed after {time.monotonic() - start:.1f}s "
+                f"(timeout_s={self.timeout_s:g}): {_first_line(exc)}"
+            ) from exc
         return store
 
     @contextlib.contextmanager
@@ -420,6 +436,7 @@ class DistributedEngine(BucketedEngine):
         if not lazy:
             for fence in self._fences:
                 fence.apply()
+        start = time.monotonic()
         try:
             if identity != "policy rank 0":
                 store.set(f"formed/{identity}", "ok")
@@ -431,14 +448,15 @@ class DistributedEngine(BucketedEngine):
                             raise PeerLostError(f"{member} could not form its groups: {report}")
         except (RuntimeError, dist.DistError) as exc:
             raise PeerLostError(
-                f"waiting for every member's groups to form, as {identity}, did not complete within "
-                f"{self.timeout_s:g}s: {exc}"
+                f"waiting for every member's groups to form, as {identity}, failed after "
+                f"{time.monotonic() - start:.1f}s (timeout_s={self.timeout_s:g}): {_first_line(exc)}"
             ) from exc
         if not lazy:
             self._close_store()
 
     def _make_link(self, store: Any, name: str, rank: int, size: int, peer: str) -> Link:
         prefixed = dist.PrefixStore(f"{name}/", store)
+        start = time.monotonic()
         try:
             control = self._new_control_group(dist.PrefixStore("control/", prefixed), rank, size)
             if self._shares_control_group():
@@ -447,7 +465,8 @@ class DistributedEngine(BucketedEngine):
                 data = self._new_data_group(dist.PrefixStore("data/", prefixed), rank, size)
         except RuntimeError as exc:
             raise PeerLostError(
-                f"forming the {name!r} group with {peer} failed within {self.timeout_s:g}s: {exc}"
+                f"forming the {name!r} group with {peer} failed after {time.monotonic() - start:.1f}s "
+                f"(timeout_s={self.timeout_s:g}): {_first_line(exc)}"
             ) from exc
         self._groups.extend({id(control): control, id(data): data}.values())
         link = Link(control, data, rank=rank, size=size, broadcast=self.topology == "broadcast", peer=peer)
@@ -460,7 +479,8 @@ class DistributedEngine(BucketedEngine):
         a send/recv per pair). A group such as NCCL's builds its communicator through the store
         at its first message; made here, during init, the store can close like a Gloo one."""
         first = torch.zeros(1, dtype=torch.uint8, device=self._buffer_device())
-        link.wait([link.post(link.data, first, _PAYLOAD_TAG)], self.timeout_s, "connecting the payload group")
+        phase = "connecting the payload group"
+        link.wait([link.post(link.data, first, _PAYLOAD_TAG, phase)], self.timeout_s, phase)
 
     def _check_topology(self, train_world_size: int, rollout_world_size: int) -> None:
         if self.topology == "paired" and train_world_size < rollout_world_size:
@@ -548,6 +568,12 @@ def _identities(train_world_size: int, rollout_world_size: int) -> list[str]:
     return [f"policy rank {r}" for r in range(train_world_size)] + [
         f"rollout rank {r}" for r in range(rollout_world_size)
     ]
+
+
+def _first_line(exc: BaseException) -> str:
+    """An exception's first line (torch's carry a C++ backtrace after it)."""
+    text = str(exc)
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _family(host: str) -> socket.AddressFamily:

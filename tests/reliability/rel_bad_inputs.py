@@ -576,7 +576,7 @@ CASES: list[Case] = [
         "policy rank 0's entry with an invalid rendezvous port",
         with_prepared(lambda e, m: init_rollout(e, [other(m, port=0), m])),
         (WireFormatError,),
-        r"metadata\[0\] has no valid host/port",
+        r"policy rank 0's metadata has no valid port: 0",
     ),
     *[
         Case(

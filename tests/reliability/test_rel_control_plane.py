@@ -355,18 +355,27 @@ def _new_listeners(before: list[str]) -> list[str]:
     return sorted(set(listening_sockets(os.getpid())) - set(before))
 
 
-def test_prepare_listens_on_the_configured_host_only() -> None:
+def test_prepare_binds_the_configured_host_and_listens_on_nothing() -> None:
+    """prepare() reserves its rendezvous port on ``host`` without listening: until policy rank
+    0 serves the store at init, a connection is refused (a peer retries until its deadline)
+    instead of waiting in a backlog nobody reads."""
     before = listening_sockets(os.getpid())
     engine = create_checkpoint_engine(
         "gloo_cpu", bucket_size_bytes=BUCKET, engine_kwargs={"host": "127.0.0.1", "timeout_s": 20}
     )
     try:
         metadata = engine.prepare()
-        opened = _new_listeners(before)
-        assert opened == [f"127.0.0.1:{metadata['port']}"], opened
+        assert _new_listeners(before) == [], "prepare() must not listen"
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", metadata["port"]), timeout=5).close()
+        other = socket.socket()
+        with other, pytest.raises(OSError, match="Address already in use"):
+            other.bind(("127.0.0.1", metadata["port"]))  # the port is this worker's
     finally:
         engine.finalize()
-    assert _new_listeners(before) == [], "finalize() must close the listener"
+    free = socket.socket()
+    with free:
+        free.bind(("127.0.0.1", metadata["port"]))  # finalize() released it
 
 
 @pytest.mark.slow
