@@ -4,10 +4,13 @@ One allocation holds every slot (slot ``k`` starts at ``k * stride``), made once
 rank 0 at init and mapped once by each rollout at init; refits only reuse it.
 
 * :class:`HostSlots` (``device="cpu"``): an anonymous ``memfd_create`` file, sized, fully
-  allocated and sealed against resizing, mapped shared. Rollouts receive a read-only
-  descriptor over the control socket (``SCM_RIGHTS``) and map it read-only. The file has no
-  name anywhere (nothing in ``/dev/shm``); the kernel frees it when the last process holding a
-  mapping or descriptor exits, however it exits.
+  allocated, mapped shared by the policy, then sealed against resizing and against any write
+  but through that one mapping (``F_SEAL_FUTURE_WRITE``): no other process can write the slots,
+  not even one of the same user that reopens the file through ``/proc/<pid>/fd`` (the kernel
+  refuses it a writable mapping and ``write()``). Rollouts receive a read-only descriptor over
+  the control socket (``SCM_RIGHTS``) and map it read-only. The file has no name anywhere
+  (nothing in ``/dev/shm``); the kernel frees it when the last process holding a mapping or
+  descriptor exits, however it exits.
 * :class:`CudaSlots` (``device="cuda"``): one ``cudaMalloc`` made through cupy, outside any
   memory pool, whose IPC handle is exported once; rollouts open it once
   (``cudaIpcOpenMemHandle``) and close it at finalize.
@@ -31,6 +34,8 @@ from ckpt_core.errors import BackendUnavailableError, OutOfMemoryError, WireForm
 
 PAGE = 4096
 IPC_HANDLE_BYTES = 64
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+"""Linux 5.1+: writes only through mappings that exist when it is set (not exported by Python)."""
 
 
 def slot_stride(bucket_size: int) -> int:
@@ -80,8 +85,16 @@ class HostSlots:
                     f"({exc}); lower bucket_size_bytes or free memory"
                 ) from exc
             # No process holding the file may resize it under a mapping (that would SIGBUS us).
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
             mapping = _map_shared(fd, size, writable=True)
+            try:
+                # Only the mapping just made may write from now on; no seal may be added or removed.
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+            except OSError as exc:
+                raise BackendUnavailableError(
+                    f"cannot seal the shared slot buffers against writes by other processes ({exc}): "
+                    "device='cpu' needs Linux 5.1 or newer (F_SEAL_FUTURE_WRITE)"
+                ) from exc
         except BaseException:
             os.close(fd)
             raise
