@@ -87,12 +87,13 @@ def test_nothing_in_the_library_imports_the_seed_module() -> None:
 
 INTEGRATION_SOURCES = [REPO / "integrations" / "vllm" / "ckpt_vllm"]
 # What an integration may import from the core: the consumer's contract, the registry,
-# errors, statistics, host memory release, destination layouts and the orchestration layer; never the internals or
-# a transport's stack.
+# errors, option checks, statistics, host memory release, destination layouts and the
+# orchestration layer; never the internals or a transport's stack.
 INTEGRATION_API = (
     "ckpt_core.contract",
     "ckpt_core.registry",
     "ckpt_core.errors",
+    "ckpt_core.options",
     "ckpt_core.stats",
     "ckpt_core.memory",
     "ckpt_core.layout",

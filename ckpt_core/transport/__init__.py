@@ -30,11 +30,11 @@ _EXPORTS = {
     "HEADER_FRAME_BYTES": "ckpt_core.transport.torch_distributed",
     "Link": "ckpt_core.transport.torch_distributed",
     "MAX_HEADER_BYTES": "ckpt_core._internal.wire",
-    "MAX_TIMEOUT_S": "ckpt_core.transport.options",
+    "MAX_TIMEOUT_S": "ckpt_core.options",
     "TOPOLOGIES": "ckpt_core.transport.torch_distributed",
-    "check_bool": "ckpt_core.transport.options",
-    "check_choice": "ckpt_core.transport.options",
-    "check_positive_number": "ckpt_core.transport.options",
+    "check_bool": "ckpt_core.options",
+    "check_choice": "ckpt_core.options",
+    "check_positive_number": "ckpt_core.options",
     "decode_header": "ckpt_core._internal.wire",
     "device_payload_checksum": "ckpt_core._internal.device_checksum",
     "dtype_from_name": "ckpt_core._internal.dtypes",
@@ -51,10 +51,10 @@ if TYPE_CHECKING:
     from ckpt_core._internal.dtypes import dtype_from_name, dtype_name
     from ckpt_core._internal.pipeline import Checksum
     from ckpt_core._internal.wire import MAX_HEADER_BYTES, decode_header
+    from ckpt_core.options import MAX_TIMEOUT_S, check_bool, check_choice, check_positive_number
     from ckpt_core.transport.capabilities import BackendCapabilities
     from ckpt_core.transport.engine import BucketedEngine
     from ckpt_core.transport.interfaces import BucketReceiver, BucketSender
-    from ckpt_core.transport.options import MAX_TIMEOUT_S, check_bool, check_choice, check_positive_number
     from ckpt_core.transport.torch_distributed import (
         HEADER_FRAME_BYTES,
         TOPOLOGIES,

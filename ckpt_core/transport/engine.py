@@ -44,10 +44,10 @@ from ckpt_core.errors import (
 )
 from ckpt_core.hooks import RefitNotifier
 from ckpt_core.layout import LayoutSelector, WeightLayout, check_layouts, is_ckpt_layout, select_weights
+from ckpt_core.options import MAX_TIMEOUT_S, check_bool, check_positive_number
 from ckpt_core.registry import check_engine_kwargs
 from ckpt_core.stats import RefitStats, Role
 from ckpt_core.transport.interfaces import BucketReceiver, BucketSender
-from ckpt_core.transport.options import MAX_TIMEOUT_S, check_bool, check_positive_number
 
 BORROWS_KEY = "borrows_received_tensors"
 """In a rollout's ``prepare()`` metadata when it borrows: its senders then pack every chunk into

@@ -56,9 +56,9 @@ from ckpt_core._internal.node_address import AUTO, HOST_ENV, node_address
 from ckpt_core._internal.store import DetachableStore, join_store
 from ckpt_core._internal.wire import MAX_HEADER_BYTES
 from ckpt_core.errors import EngineOptionError, LifecycleError, PeerLostError, TransferTimeoutError, WireFormatError
+from ckpt_core.options import check_choice
 from ckpt_core.transport.engine import BucketedEngine
 from ckpt_core.transport.interfaces import BucketReceiver, BucketSender, bucket_buffers
-from ckpt_core.transport.options import check_choice
 
 TOPOLOGIES = ("broadcast", "paired", "fanout")
 _FRAME_TAG, _HEADER_REST_TAG, _PAYLOAD_TAG = 1, 2, 3

@@ -10,9 +10,17 @@ overrides: the caller decides).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from ckpt_core.errors import InvalidArgumentError, LifecycleError, TransferTimeoutError
+from ckpt_core.errors import (
+    EngineOptionError,
+    InvalidArgumentError,
+    LifecycleError,
+    TransferTimeoutError,
+    UnknownBackendError,
+)
+from ckpt_core.options import MAX_TIMEOUT_S, check_bool, check_positive_number
 from ckpt_core.orchestration.coordinator import CallResult, RefitFailedError
 from ckpt_vllm.errors import StaleWeightsError
 
@@ -36,6 +44,15 @@ class VllmRollout:
     lets it go, so the pool buys little here and costs resident memory: measured on a 124 MB
     model, the worker's peak during a refit was 135 MiB over its resident state without the
     pool, about 200 MiB with it.
+
+    Arguments are checked before the engine is called, each error naming the argument and the
+    value: ``backend`` is a non-empty name (``UnknownBackendError``, as the registry says);
+    ``bucket_size_bytes`` an int >= 1 (``InvalidArgumentError``, as ``create_checkpoint_engine``
+    says); the options are checked as engine options are (``EngineOptionError``):
+    ``engine_kwargs`` a mapping with string keys (its options are the backend's, checked by it
+    on every rank), ``rank_offset`` and ``host_pool_bytes`` ints >= 0, ``verify`` a bool,
+    ``rpc_timeout_s`` a finite number > 0 of at most 30 days; last, ``llm`` must have
+    ``collective_rpc`` (``InvalidArgumentError``).
     """
 
     def __init__(
@@ -50,8 +67,28 @@ class VllmRollout:
         rpc_timeout_s: float = 900.0,
         host_pool_bytes: int = 0,
     ) -> None:
-        if rpc_timeout_s <= 0:
-            raise InvalidArgumentError(f"rpc_timeout_s must be positive, got {rpc_timeout_s!r}")
+        if not isinstance(backend, str) or not backend:
+            raise UnknownBackendError(f"VllmRollout: backend must be a non-empty string, got {backend!r}")
+        if not _is_count(bucket_size_bytes) or bucket_size_bytes < 1:
+            raise InvalidArgumentError(
+                f"VllmRollout: bucket_size_bytes must be a positive int (bytes), got {bucket_size_bytes!r}"
+            )
+        if engine_kwargs is not None and (
+            not isinstance(engine_kwargs, Mapping) or not all(isinstance(key, str) for key in engine_kwargs)
+        ):
+            raise EngineOptionError(
+                f"VllmRollout: engine_kwargs must be a dict of option name (str) to value, got {engine_kwargs!r}"
+            )
+        rpc_timeout_s = check_positive_number("VllmRollout", "rpc_timeout_s", rpc_timeout_s, MAX_TIMEOUT_S)
+        check_bool("VllmRollout", "verify", verify)
+        for option, value in (("rank_offset", rank_offset), ("host_pool_bytes", host_pool_bytes)):
+            if not _is_count(value):
+                raise EngineOptionError(f"VllmRollout: {option} must be an int >= 0, got {value!r}")
+        if not callable(getattr(llm, "collective_rpc", None)):
+            raise InvalidArgumentError(
+                f"VllmRollout: llm must be a vllm.LLM built with worker_extension_cls=WORKER_EXTENSION (it calls "
+                f"its collective_rpc), got {type(llm).__name__}"
+            )
         self.llm = llm
         self.rpc_timeout_s = rpc_timeout_s
         self.rank_offset = rank_offset
@@ -121,13 +158,16 @@ class VllmRollout:
         """Receive one refit on every rank (run it while the policy ranks send); returns each
         rank's report. Only when every rank loaded all of it is vLLM's prefix cache reset and
         the new version committed; otherwise the engine stays not current and this raises
-        ``RefitFailedError`` naming each failed rank (then :meth:`reset`, set up again, refit)."""
+        ``RefitFailedError`` naming each failed rank (then :meth:`reset`, set up again, refit).
+        ``refit_index`` (an int >= 0) counts the refits since ``init``, as the policy ranks do."""
+        _check_index("refit_index", refit_index)
         reports = self.receive(refit_index=refit_index)
         self.commit()
         return reports
 
     def receive(self, *, refit_index: int = 0) -> list[dict[str, Any]]:
         """The first half of :meth:`refit`: receive and load on every rank, commit nothing."""
+        _check_index("refit_index", refit_index)
         self.mark_not_current()
         return self._call("refit", refit_index=refit_index)
 
@@ -139,7 +179,10 @@ class VllmRollout:
         """Reset vLLM's prefix cache (its cached keys and values came from the old weights),
         then mark the loaded refit current on every rank as ``weight_version`` (default: one
         more than the last). :meth:`refit` calls it; a coordinator calls it after checking
-        digests. Refused on a rank that did not load the whole refit."""
+        digests. Refused on a rank that did not load the whole refit. ``weight_version`` is an
+        int >= 0 (``InvalidArgumentError`` otherwise, before anything is reset)."""
+        if weight_version is not None:
+            _check_index("weight_version", weight_version)
         version = self.weight_version + 1 if weight_version is None else weight_version
         if not self.llm.reset_prefix_cache():
             raise LifecycleError(
@@ -176,10 +219,22 @@ class VllmRollout:
 
     def generate(self, *args: Any, allow_stale: bool = False, **kwargs: Any) -> Any:
         """``llm.generate(*args, **kwargs)``, refused with :class:`StaleWeightsError` while the
-        weights are not current (a refit failed or is running), unless ``allow_stale``."""
+        weights are not current (a refit failed or is running), unless ``allow_stale`` (a bool:
+        a truthy string would generate from stale weights by mistake)."""
+        if not isinstance(allow_stale, bool):
+            raise InvalidArgumentError(f"VllmRollout.generate: allow_stale must be True or False, got {allow_stale!r}")
         if not self._current and not allow_stale:
             raise StaleWeightsError(
                 f"the engine's weights are not current (last committed version {self.weight_version}; a refit "
                 "since then failed or did not finish): refit again, or pass allow_stale=True"
             )
         return self.llm.generate(*args, **kwargs)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_index(name: str, value: Any) -> None:
+    if not _is_count(value):
+        raise InvalidArgumentError(f"VllmRollout: {name} must be an int >= 0, got {value!r}")

@@ -92,12 +92,19 @@ def greedy_tokens(generate: Any) -> list[list[int]]:
 
 def trainer_pool(model_dir: Path, backend: str, **engine_kwargs: Any) -> LocalProcessPool:
     """A ``TinyTrainer`` in a process of its own, starting from ``model_dir``'s weights."""
+    return sized_trainer_pool(model_dir, backend, 1 << 20, engine_kwargs)
+
+
+def sized_trainer_pool(
+    model_dir: Path, backend: str, bucket_size: int, engine_kwargs: dict[str, Any]
+) -> LocalProcessPool:
+    """:func:`trainer_pool` with buckets of ``bucket_size`` bytes."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     spec = {
         "service": "tiny_trainer:TinyTrainer",
         "model_dir": str(model_dir),
         "backend": backend,
-        "bucket_size": 1 << 20,
+        "bucket_size": bucket_size,
         "engine_kwargs": engine_kwargs,
     }
     return LocalProcessPool([spec], labels=["trainer"], env=env)

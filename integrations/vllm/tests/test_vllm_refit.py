@@ -15,8 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import REFITS, greedy_tokens, trainer_pool
+from conftest import REFITS, greedy_tokens, sized_trainer_pool, trainer_pool
+from tiny_trainer import TINY_QWEN2
 
+from ckpt_core.errors import InvalidArgumentError
 from ckpt_core.orchestration.coordinator import CallResult, RefitCoordinator, RefitFailedError
 from ckpt_core.orchestration.joined import JoinedPool
 from ckpt_core.orchestration.local import LocalProcessPool
@@ -108,6 +110,47 @@ def test_refits_through_the_coordinator_match_fresh_engines(
                         assert rank_report["pending_cloned_bytes"] == 0, rank_report
         finally:
             coordinator.finalize()
+
+
+def test_a_borrowed_weight_that_fills_its_bucket_exactly_is_kept_while_vllm_holds_it(
+    refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
+) -> None:
+    """Buckets the size of one gate_proj weight: it arrives alone, a borrowed view filling its
+    bucket exactly, and vLLM holds it until up_proj completes the fused gate_up_proj. The
+    rank must clone it before the next batch refills that bucket (a check by size missed
+    such a view: the refit succeeded and generated other tokens, tried)."""
+    gate_proj_bytes = TINY_QWEN2["intermediate_size"] * TINY_QWEN2["hidden_size"] * 2  # bf16
+    rollout = VllmRollout(refitted_llm, backend="gloo_cpu", bucket_size_bytes=gate_proj_bytes)
+    try:
+        with sized_trainer_pool(checkpoints["start"], "gloo_cpu", gate_proj_bytes, {}) as trainer:
+            set_up(trainer, rollout)
+            train(trainer)
+            sent, reports = refit(trainer, rollout)
+            assert sent.ok and not isinstance(reports, Exception), reports
+        assert greedy_tokens(rollout.generate) == reference_tokens[0]
+        for report in reports:  # at least the gate_proj of each layer was held past its batch
+            assert report["pending_cloned_bytes"] >= TINY_QWEN2["num_hidden_layers"] * gate_proj_bytes, report
+    finally:
+        rollout.finalize()
+
+
+def test_bad_method_arguments_are_refused_before_anything_changes(refitted_llm: Any) -> None:
+    """A weight version, refit index or ``allow_stale`` of the wrong kind is refused before
+    any rank or vLLM's prefix cache is touched (a string version was committed as given)."""
+    rollout = VllmRollout(refitted_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET)
+    try:
+        for bad in ("x", -1, 1.5, True):
+            with pytest.raises(InvalidArgumentError, match=f"weight_version must be an int >= 0, got {bad!r}"):
+                rollout.commit(weight_version=bad)
+        for bad in (-1, "0"):
+            with pytest.raises(InvalidArgumentError, match=f"refit_index must be an int >= 0, got {bad!r}"):
+                rollout.refit(refit_index=bad)
+        with pytest.raises(InvalidArgumentError, match="allow_stale must be True or False, got 'no'"):
+            rollout.generate([{"prompt_token_ids": [1, 2]}], allow_stale="no")
+        assert rollout.is_current and rollout.weight_version == 0
+        assert all(s["current"] and s["weight_version"] == 0 for s in rollout.status())
+    finally:
+        rollout.finalize()
 
 
 def test_a_trainer_killed_mid_refit_leaves_the_engine_not_current_until_the_next_refit(

@@ -1,5 +1,6 @@
-"""Checks for engine options: each returns the value, or raises ``EngineOptionError`` naming
-the engine, the option, the value and what is accepted."""
+"""Checks for engine options (and for the options of what drives engines, such as the vLLM
+adapter): each returns the value, or raises ``EngineOptionError`` naming the owner, the option,
+the value and what is accepted. Transport authors import them from ``ckpt_core.transport``."""
 
 from __future__ import annotations
 

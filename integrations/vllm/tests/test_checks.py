@@ -1,0 +1,177 @@
+"""Checks of the adapter that need no vLLM engine: ``full_weight`` against this rank's layout,
+the experts' layouts in shardings vLLM's CPU build cannot run, and ``VllmRollout``'s
+arguments, refused before the engine is called."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from ckpt_core.errors import EngineOptionError, InvalidArgumentError, UnknownBackendError, WeightLayoutError
+from ckpt_core.layout import WeightLayout, check_layouts, nothing, select_weights, slices, whole
+from ckpt_vllm import RolloutLoadError, VllmRollout
+from ckpt_vllm.layout import _expert_weights, full_weight
+
+# --- full_weight ---------------------------------------------------------------------------
+
+
+def test_full_weight_puts_three_dimensional_parts_where_they_belong() -> None:
+    """A fused experts tensor [E, 2 * I, H] of which the rank received its rows of the gate
+    half and of the up half: they land at their offsets, in the order received."""
+    full = torch.arange(4 * 8 * 3, dtype=torch.float32).reshape(4, 8, 3)
+    kept = slices(full.shape, 1, [(2, 2), (6, 2)])
+    received = torch.cat([full[:, 2:4], full[:, 6:8]], dim=1)
+    rebuilt = full_weight("experts.gate_up_proj", received, kept)
+    assert rebuilt.shape == full.shape
+    assert torch.equal(rebuilt[:, 2:4], full[:, 2:4]) and torch.equal(rebuilt[:, 6:8], full[:, 6:8])
+    experts = slices(full.shape, 0, [(3, 1), (0, 1)])  # parts in the order received
+    rebuilt = full_weight("experts.down_proj", torch.cat([full[3:4], full[0:1]]), experts)
+    assert torch.equal(rebuilt[3], full[3]) and torch.equal(rebuilt[0], full[0])
+    whole_tensor = torch.ones(2, 3)
+    assert full_weight("norm.weight", whole_tensor, whole((2, 3))) is whole_tensor
+
+
+@pytest.mark.parametrize(
+    ("kept", "received", "message"),
+    [
+        (
+            slices((4, 8, 3), 1, [(2, 2), (6, 2)]),
+            (4, 8, 3),
+            "shape [4, 8, 3], but this rank's layout says it receives shape [4, 4, 3] (of the full [4, 8, 3])",
+        ),
+        (whole((8, 3)), (4, 3), "shape [4, 3], but this rank's layout says it receives shape [8, 3]"),
+        (nothing((8, 3)), (8, 3), "this rank's layout says it receives none of it"),
+    ],
+    ids=["whole_weight_for_a_slice", "a_slice_for_a_whole_weight", "a_weight_the_rank_keeps_none_of"],
+)
+def test_full_weight_refuses_a_tensor_of_another_shape_naming_the_weight(
+    kept: Any, received: tuple[int, ...], message: str
+) -> None:
+    """What a sender that ignored the layout (shard_expert_weights on one side only) sends."""
+    with pytest.raises(RolloutLoadError, match="received weight 'model.layers.0.w'") as caught:
+        full_weight("model.layers.0.w", torch.zeros(received), kept)
+    assert message in str(caught.value)
+    assert "same shard_expert_weights" in str(caught.value)
+
+
+# --- experts' layouts, fused and per expert -------------------------------------------------
+
+EXPERTS, INTER, HIDDEN, PREFIX = 4, 8, 6, "model.layers.0.mlp.experts"
+
+
+def routed_experts(tp: tuple[int, int], local: list[int], transposed: bool) -> Any:
+    """The attributes of vLLM 0.32's ``RoutedExperts`` that the layout reads, for a sharding
+    its CPU build cannot run (expert parallelism kills its workers; no CPU model is
+    transposed). The tensor-parallel case on a real engine: test_vllm_moe.py."""
+    tp_rank, tp_size = tp
+    return SimpleNamespace(
+        moe_config=SimpleNamespace(moe_parallel_config=SimpleNamespace(tp_rank=tp_rank, tp_size=tp_size)),
+        intermediate_size_per_partition=INTER // tp_size,
+        hidden_size=HIDDEN,
+        global_num_experts=EXPERTS,
+        expert_map_manager=SimpleNamespace(is_local_expert=lambda expert: expert in local),
+        is_fused_checkpoint_transposed=transposed,
+    )
+
+
+def layout_of(module: Any) -> WeightLayout:
+    per_expert, alternatives = _expert_weights(PREFIX, module)
+    return WeightLayout.from_json(WeightLayout(per_expert, tuple(alternatives)).to_json())
+
+
+def numbered_experts(transposed: bool) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    """The experts fused (every element a distinct number) and the same elements per expert."""
+    gate_up = torch.arange(EXPERTS * 2 * INTER * HIDDEN).reshape(EXPERTS, 2 * INTER, HIDDEN)
+    down = torch.arange(EXPERTS * HIDDEN * INTER).reshape(EXPERTS, HIDDEN, INTER) + gate_up.numel()
+    per_expert = []
+    for e in range(EXPERTS):
+        per_expert += [
+            (f"{PREFIX}.{e}.gate_proj.weight", gate_up[e, :INTER]),
+            (f"{PREFIX}.{e}.up_proj.weight", gate_up[e, INTER:]),
+            (f"{PREFIX}.{e}.down_proj.weight", down[e]),
+        ]
+    if transposed:
+        gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
+    return [(f"{PREFIX}.gate_up_proj", gate_up), (f"{PREFIX}.down_proj", down)], per_expert
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["fused", "fused_transposed"])
+@pytest.mark.parametrize(
+    "ranks",
+    [
+        [((0, 2), [0, 1, 2, 3]), ((1, 2), [0, 1, 2, 3])],  # tensor-parallel 2
+        [((0, 1), [0, 1]), ((0, 1), [2, 3])],  # expert-parallel 2, linear placement
+        [((0, 1), [0, 2]), ((0, 1), [1, 3])],  # expert-parallel 2, round robin
+        [((0, 1), [0, 1, 2, 3])],  # one rank
+    ],
+    ids=["tp2", "ep2_linear", "ep2_round_robin", "tp1"],
+)
+def test_each_rank_keeps_the_same_elements_of_fused_experts_as_of_per_expert_ones(
+    ranks: list[tuple[tuple[int, int], list[int]]], transposed: bool
+) -> None:
+    fused, per_expert = numbered_experts(transposed)
+    layouts = {index: layout_of(routed_experts(tp, local, transposed)) for index, (tp, local) in enumerate(ranks)}
+    check_layouts(layouts, owner="test")  # every element of either naming reaches some rank
+    for index, layout in layouts.items():
+        from_fused = torch.cat([t.flatten() for _, t in select_weights(fused, layout, destination="r")])
+        from_experts = torch.cat([t.flatten() for _, t in select_weights(per_expert, layout, destination="r")])
+        assert torch.equal(from_fused.sort().values, from_experts.sort().values), f"rank {index}"
+        assert from_fused.numel() == layout.received_elements()
+        for name, tensor in select_weights(fused, layout, destination="r"):  # full_weight rebuilds its parts
+            kept = layout.find(name)
+            assert kept is not None and full_weight(name, tensor, kept).shape == kept.shape
+
+
+def test_experts_sharded_by_expert_and_tensor_parallel_at_once_are_refused() -> None:
+    with pytest.raises(WeightLayoutError, match=f"{PREFIX}: this rank holds 2 of 4 experts and a tensor-parallel"):
+        _expert_weights(PREFIX, routed_experts((1, 2), [2, 3], transposed=False))
+
+
+# --- VllmRollout's arguments ---------------------------------------------------------------
+
+GOOD: dict[str, Any] = {"backend": "gloo_cpu", "bucket_size_bytes": 1 << 20}
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "message"),
+    [
+        ({"rpc_timeout_s": "10"}, EngineOptionError, "rpc_timeout_s must be a finite number > 0, got '10'"),
+        ({"rpc_timeout_s": math.nan}, EngineOptionError, "rpc_timeout_s must be a finite number > 0, got nan"),
+        ({"rpc_timeout_s": math.inf}, EngineOptionError, "rpc_timeout_s must be a finite number > 0, got inf"),
+        ({"rpc_timeout_s": 0}, EngineOptionError, "rpc_timeout_s must be a finite number > 0, got 0"),
+        ({"rpc_timeout_s": 1e12}, EngineOptionError, "rpc_timeout_s must be at most"),
+        ({"rpc_timeout_s": True}, EngineOptionError, "rpc_timeout_s must be a finite number > 0, got True"),
+        ({"rank_offset": "2"}, EngineOptionError, "rank_offset must be an int >= 0, got '2'"),
+        ({"rank_offset": -3}, EngineOptionError, "rank_offset must be an int >= 0, got -3"),
+        ({"rank_offset": True}, EngineOptionError, "rank_offset must be an int >= 0, got True"),
+        ({"rank_offset": 1.0}, EngineOptionError, "rank_offset must be an int >= 0, got 1.0"),
+        ({"host_pool_bytes": -1}, EngineOptionError, "host_pool_bytes must be an int >= 0, got -1"),
+        ({"host_pool_bytes": "1GiB"}, EngineOptionError, "host_pool_bytes must be an int >= 0, got '1GiB'"),
+        ({"verify": "yes"}, EngineOptionError, "verify must be True or False, got 'yes'"),
+        ({"verify": 1}, EngineOptionError, "verify must be True or False, got 1"),
+        ({"engine_kwargs": [("timeout_s", 5)]}, EngineOptionError, "engine_kwargs must be a dict"),
+        ({"engine_kwargs": {1: 2}}, EngineOptionError, "engine_kwargs must be a dict of option name (str)"),
+        ({"backend": ""}, UnknownBackendError, "backend must be a non-empty string, got ''"),
+        ({"backend": None}, UnknownBackendError, "backend must be a non-empty string, got None"),
+        ({"bucket_size_bytes": 0}, InvalidArgumentError, "bucket_size_bytes must be a positive int (bytes), got 0"),
+        ({"bucket_size_bytes": "1MiB"}, InvalidArgumentError, "bucket_size_bytes must be a positive int"),
+        ({"bucket_size_bytes": True}, InvalidArgumentError, "bucket_size_bytes must be a positive int"),
+    ],
+    ids=lambda value: str(value) if not isinstance(value, type) else value.__name__,
+)
+def test_a_bad_argument_is_refused_before_the_engine_is_called(
+    bad: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    """``llm`` is ``None`` here: every other argument is checked before it is used."""
+    with pytest.raises(error) as caught:
+        VllmRollout(None, **{**GOOD, **bad})
+    assert message in str(caught.value) and "VllmRollout" in str(caught.value), caught.value
+
+
+def test_an_llm_without_collective_rpc_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="llm must be a vllm.LLM built with worker_extension_cls"):
+        VllmRollout(object(), **GOOD)
