@@ -4,16 +4,26 @@ A rollout worker describes its layout as plain JSON data and puts it in its ``pr
 metadata under ``"weight_layout"``; with ``shard_expert_weights=True`` on the engines, the policy
 worker that sends to it selects, for every weight it yields, the part that rank keeps, before a
 byte is packed (:func:`select_weights`). Every backend shares this: the selection happens
-before the pipeline, not in a transport. The format (version 1)::
+before the pipeline, not in a transport. The format (version 2)::
 
     {
       "format": "ckpt-engine.weight-layout",
-      "version": 1,
+      "version": 2,
       "weights": {
         "model.norm.weight": {"shape": [256], "keep": "whole"},
-        "model.layers.0.mlp.experts.3.up_proj.weight": {"shape": [512, 256], "keep": "none"},
+        "model.layers.0.mlp.experts.0.down_proj.weight": {"shape": [256, 512], "keep": "none"},
+        "model.layers.0.mlp.experts.1.down_proj.weight": {"shape": [256, 512], "keep": "whole"},
         "model.layers.0.self_attn.q_proj.weight": {"shape": [256, 256], "keep": {"dim": 0, "parts": [[0, 128]]}}
-      }
+      },
+      "alternatives": [
+        {
+          "replaces": ["model.layers.0.mlp.experts.0.down_proj.weight",
+                       "model.layers.0.mlp.experts.1.down_proj.weight"],
+          "weights": {
+            "model.layers.0.mlp.experts.down_proj": {"shape": [2, 256, 512], "keep": {"dim": 0, "parts": [[1, 1]]}}
+          }
+        }
+      ]
     }
 
 ``keep`` is ``"whole"``, ``"none"`` (another pipeline stage, an expert another rank owns), or
@@ -24,10 +34,22 @@ piece). ``shape`` is the full weight's shape the layout was made for: a sender's
 another shape is refused (a layout from another model). A layout names every weight the
 sender yields, ``"none"`` included: a weight it does not name is an error, never skipped.
 
+``alternatives`` (optional; version 2 added it) lets some weights arrive in either of two
+namings: each entry's ``weights`` (with entries as above) may come instead of the weights its
+``replaces`` names (names of ``"weights"``), as a trainer holding mixture-of-experts weights
+fused in memory (Hugging Face transformers 5: ``experts.gate_up_proj`` of shape ``[E, 2 * I,
+H]``) yields one tensor for what a checkpoint names per expert. A sender yields exactly one of
+the two forms of each entry, all of it: both forms, or neither, is an error. The two forms
+hold the same elements, and a rank keeps as many of them in either (checked). A rank
+receives the selected part under the name the sender used; ``received_elements`` is the same
+for either form.
+
 Checked at ``init_policy_process_group`` (:func:`check_layouts`): each layout on its own (a slice
-out of bounds, overlapping parts) and all rollout ranks' layouts together (the same weights and
-shapes, and every element of every weight kept by at least one rank). Checked while sending:
-every weight yielded is named, with its shape, and every named weight is yielded.
+out of bounds, overlapping parts, an alternative naming that does not fit what it replaces) and
+all rollout ranks' layouts together (the same weights, alternatives and shapes, and every
+element of every weight, in either naming, kept by at least one rank). Checked while sending:
+every weight yielded is named, with its shape, every named weight is yielded (in one of its
+namings), and no weight comes in both.
 
 NeMo RL's own vLLM layout (``{"expert_params": ..., "missing_weight_prefixes": ...}``, which
 its Megatron worker applies itself) has no ``"format"`` key: engines pass it through to
@@ -45,7 +67,7 @@ import torch
 from ckpt_core.errors import WeightLayoutError
 
 LAYOUT_FORMAT = "ckpt-engine.weight-layout"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,10 +121,28 @@ class KeptWeight:
 
 
 @dataclasses.dataclass(frozen=True)
+class AlternativeNaming:
+    """Another naming of some of a layout's weights: the sender may yield ``weights`` instead of
+    the layout's weights named in ``replaces`` (a fused tensor for its per-expert tensors), one
+    form or the other, all of it."""
+
+    replaces: tuple[str, ...]
+    weights: Mapping[str, KeptWeight]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "replaces": list(self.replaces),
+            "weights": {name: kept.to_json() for name, kept in self.weights.items()},
+        }
+
+
+@dataclasses.dataclass(frozen=True)
 class WeightLayout:
-    """One rollout rank's layout, checked (build it with :meth:`from_json`)."""
+    """One rollout rank's layout, checked (build it with :meth:`from_json`): ``weights`` names
+    every weight, and each of ``alternatives`` another naming of some of them."""
 
     weights: Mapping[str, KeptWeight]
+    alternatives: tuple[AlternativeNaming, ...] = ()
 
     @classmethod
     def from_json(cls, data: Any, *, owner: str = "weight layout") -> WeightLayout:
@@ -115,23 +155,38 @@ class WeightLayout:
                 f"{owner}: expected format {LAYOUT_FORMAT!r} version {LAYOUT_VERSION}, got format "
                 f"{data.get('format')!r} version {version!r}"
             )
-        unknown = sorted(set(data) - {"format", "version", "weights"})
+        unknown = sorted(set(data) - {"format", "version", "weights", "alternatives"})
         if unknown:
-            raise WeightLayoutError(f"{owner}: unknown keys {unknown} (a layout has format, version and weights)")
-        weights = data.get("weights")
-        if not isinstance(weights, Mapping) or not weights:
-            raise WeightLayoutError(f"{owner}: 'weights' must be a non-empty mapping of weight name to entry")
-        return cls({_check_name(owner, name): _parse_entry(owner, name, entry) for name, entry in weights.items()})
+            raise WeightLayoutError(
+                f"{owner}: unknown keys {unknown} (a layout has format, version, weights and optionally alternatives)"
+            )
+        weights = _parse_weights(owner, data.get("weights"), "'weights'")
+        return cls(weights, _parse_alternatives(owner, weights, data.get("alternatives", [])))
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "format": LAYOUT_FORMAT,
             "version": LAYOUT_VERSION,
             "weights": {name: kept.to_json() for name, kept in self.weights.items()},
         }
+        if self.alternatives:
+            data["alternatives"] = [alternative.to_json() for alternative in self.alternatives]
+        return data
+
+    def find(self, name: str) -> KeptWeight | None:
+        """What this rank keeps of weight ``name``, in either naming (``None``: not named)."""
+        kept = self.weights.get(name)
+        if kept is not None:
+            return kept
+        for alternative in self.alternatives:
+            kept = alternative.weights.get(name)
+            if kept is not None:
+                return kept
+        return None
 
     def received_elements(self) -> int:
-        """Elements this rank receives in a refit (times the dtype's size: its bytes)."""
+        """Elements this rank receives in a refit (times the dtype's size: its bytes); the same
+        whichever naming the sender uses (checked by :meth:`from_json`)."""
         return sum(kept.received_elements() for kept in self.weights.values())
 
 
@@ -165,7 +220,8 @@ def even_shard(shape: Sequence[int], dim: int, rank: int, world_size: int) -> Ke
 
 def check_layouts(layouts: Mapping[int, WeightLayout], *, owner: str) -> None:
     """Check the layouts of every rollout rank (rank -> layout) together: the same weight
-    names with the same shapes, and every element of every weight kept by some rank."""
+    names with the same shapes and the same alternative namings, and every element of every
+    weight, in either naming, kept by some rank."""
     ranks = sorted(layouts)
     if not ranks:
         raise WeightLayoutError(f"{owner}: no rollout rank's layout to check")
@@ -184,8 +240,18 @@ def check_layouts(layouts: Mapping[int, WeightLayout], *, owner: str) -> None:
                     f"{owner}: weight {name!r} has shape {list(first.weights[name].shape)} in rollout rank "
                     f"{ranks[0]}'s layout but {list(kept.shape)} in rank {rank}'s: layouts of different models"
                 )
+        if _naming_signature(first) != _naming_signature(other):
+            raise WeightLayoutError(
+                f"{owner}: rollout ranks {ranks[0]} and {rank} describe different alternative namings (which "
+                "weights may come under other names, and their shapes): layouts of different models, or of "
+                "different versions of the code that derives them"
+            )
     for name in first.weights:
         _check_covered(owner, name, [(rank, layouts[rank].weights[name]) for rank in ranks])
+    for index, alternative in enumerate(first.alternatives):
+        for name in alternative.weights:
+            kept_by = [(rank, layouts[rank].alternatives[index].weights[name]) for rank in ranks]
+            _check_covered(owner, name, kept_by)
 
 
 class LayoutSelector:
@@ -196,35 +262,72 @@ class LayoutSelector:
         self.layout = layout
         self.destination = destination
         self._seen: set[str] = set()
+        # name -> (what is kept, its alternative's index or None, form: 0 replaced, 1 alternative)
+        self._entries: dict[str, tuple[KeptWeight, int | None, int]] = {
+            name: (kept, None, 0) for name, kept in layout.weights.items()
+        }
+        for index, alternative in enumerate(layout.alternatives):
+            for name in alternative.replaces:
+                self._entries[name] = (layout.weights[name], index, 0)
+            for name, kept in alternative.weights.items():
+                self._entries[name] = (kept, index, 1)
+        self._chosen: dict[int, str] = {}  # alternative index -> the first name yielded of it
 
     def select(self, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
         """The part of weight ``name`` the destination keeps (``None``: nothing);
-        ``WeightLayoutError`` if the layout does not name it or names it with another shape."""
+        ``WeightLayoutError`` if the layout does not name it, names it with another shape, or
+        the sender already yielded the other naming of it."""
         if name in self._seen:
             raise WeightLayoutError(f"the sender yields weight {name!r} twice in one refit; names must be unique")
-        kept = self.layout.weights.get(name)
-        if kept is None:
+        entry = self._entries.get(name)
+        if entry is None:
             raise WeightLayoutError(
                 f"the sender yields weight {name!r}, which {self.destination}'s layout does not name: a "
                 "layout names every weight (keep 'none' for those the rank lacks); is it a layout of another model?"
             )
+        kept, index, form = entry
         if tuple(tensor.shape) != kept.shape:
             raise WeightLayoutError(
                 f"the sender's weight {name!r} has shape {list(tensor.shape)}, but {self.destination}'s layout "
                 f"was made for {list(kept.shape)}: a layout of another model"
             )
+        if index is not None:
+            first = self._chosen.setdefault(index, name)
+            if self._entries[first][2] != form:
+                raise WeightLayoutError(
+                    f"the sender yields weight {name!r} and, in this refit, also {first!r}: two namings of the "
+                    f"same weights in {self.destination}'s layout (one tensor or the several it replaces); yield "
+                    "one form of them, not both"
+                )
         self._seen.add(name)
         return kept.select(tensor)
 
     def finish(self) -> None:
-        """``WeightLayoutError`` for weights the layout names that the sender never yielded."""
-        missing = [name for name in self.layout.weights if name not in self._seen]
+        """``WeightLayoutError`` for weights the layout names that the sender never yielded, in
+        any of their namings."""
+        expected: list[str] = [name for name, (_, index, _) in self._entries.items() if index is None]
+        unchosen: list[AlternativeNaming] = []
+        for index, alternative in enumerate(self.layout.alternatives):
+            first = self._chosen.get(index)
+            if first is not None and self._entries[first][2] == 1:
+                expected.extend(alternative.weights)
+            else:
+                expected.extend(alternative.replaces)
+                if first is None:
+                    unchosen.append(alternative)
+        missing = [name for name in expected if name not in self._seen]
         if missing:
             shown = ", ".join(repr(n) for n in missing[:5]) + (
                 f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             )
+            instead = ""
+            if unchosen:
+                names = [name for alternative in unchosen for name in alternative.weights]
+                instead = f" (or, instead of {len(unchosen)} group(s) of them, the other naming: {names[0]!r}" + (
+                    f" and {len(names) - 1} more)" if len(names) > 1 else ")"
+                )
             raise WeightLayoutError(
-                f"{self.destination}'s layout names {len(missing)} weight(s) the sender never yielded: {shown}"
+                f"{self.destination}'s layout names {len(missing)} weight(s) the sender never yielded: {shown}{instead}"
             )
 
 
@@ -239,6 +342,72 @@ def select_weights(
         if selected is not None:
             yield name, selected
     selector.finish()
+
+
+def _parse_weights(owner: str, weights: Any, where: str) -> dict[str, KeptWeight]:
+    if not isinstance(weights, Mapping) or not weights:
+        raise WeightLayoutError(f"{owner}: {where} must be a non-empty mapping of weight name to entry")
+    return {_check_name(owner, name): _parse_entry(owner, name, entry) for name, entry in weights.items()}
+
+
+def _parse_alternatives(
+    owner: str, weights: Mapping[str, KeptWeight], alternatives: Any
+) -> tuple[AlternativeNaming, ...]:
+    """``alternatives`` checked: each replaces weights of ``weights`` (none twice) with new
+    names (none named elsewhere) holding the same elements, of which the rank keeps as many."""
+    if not isinstance(alternatives, (list, tuple)):
+        raise WeightLayoutError(f"{owner}: 'alternatives' must be a list, got {type(alternatives).__name__}")
+    replaced: set[str] = set()
+    named: set[str] = set(weights)
+    parsed = []
+    for position, alternative in enumerate(alternatives):
+        where = f"{owner}: alternative {position}"
+        if not isinstance(alternative, Mapping) or set(alternative) != {"replaces", "weights"}:
+            raise WeightLayoutError(
+                f"{where}: an alternative is a mapping with exactly 'replaces' and 'weights', got {alternative!r}"
+            )
+        replaces = alternative["replaces"]
+        if not isinstance(replaces, (list, tuple)) or not replaces:
+            raise WeightLayoutError(f"{where}: 'replaces' must be a non-empty list of weight names")
+        for name in replaces:
+            if not isinstance(name, str) or name not in weights:
+                raise WeightLayoutError(
+                    f"{where}: 'replaces' names {name!r}, which is not one of the layout's 'weights'"
+                )
+            if name in replaced:
+                raise WeightLayoutError(
+                    f"{where}: weight {name!r} is replaced twice (by two alternatives or twice in one)"
+                )
+            replaced.add(name)
+        own = _parse_weights(owner, alternative["weights"], f"alternative {position}'s 'weights'")
+        for name in own:
+            if name in named:
+                raise WeightLayoutError(
+                    f"{where}: weight {name!r} is named elsewhere in the layout too; each name has one entry"
+                )
+            named.add(name)
+        before = [weights[name] for name in replaces]
+        elements = sum(torch.Size(kept.shape).numel() for kept in before)
+        if sum(torch.Size(kept.shape).numel() for kept in own.values()) != elements:
+            raise WeightLayoutError(
+                f"{where}: weights {sorted(own)} hold another number of elements than the {len(before)} weight(s) "
+                f"they replace (first: {replaces[0]!r}; {elements} elements in all): not two namings of one thing"
+            )
+        if sum(kept.received_elements() for kept in own.values()) != sum(kept.received_elements() for kept in before):
+            raise WeightLayoutError(
+                f"{where}: the rank keeps another number of elements of {sorted(own)} than of the weights they "
+                f"replace (first: {replaces[0]!r}): the two namings must keep the same part"
+            )
+        parsed.append(AlternativeNaming(tuple(replaces), own))
+    return tuple(parsed)
+
+
+def _naming_signature(layout: WeightLayout) -> list[tuple[tuple[str, ...], dict[str, tuple[int, ...]]]]:
+    """What ranks' layouts must share of their alternatives: the names and full shapes."""
+    return [
+        (tuple(sorted(alternative.replaces)), {name: kept.shape for name, kept in alternative.weights.items()})
+        for alternative in layout.alternatives
+    ]
 
 
 def _check_name(owner: str, name: Any) -> str:

@@ -4,7 +4,9 @@ The layouts here are of the kind a tensor-parallel, expert-parallel rollout has:
 sharded by rows (``q/k/v_proj``) or columns (``o_proj``), experts owned whole by one rank,
 norms, router, embeddings and head replicated. Checked: what arrives is bit-exact the part of
 the sender's tensor the layout names, a rank's received bytes are its kept bytes, and bad
-layouts or layouts of another model are refused with the weight named.
+layouts or layouts of another model are refused with the weight named. Alternative namings:
+experts a trainer holds fused in memory or names one tensor per expert select the same
+elements, and a stream must bring exactly one naming of each group, all of it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import torch
 from ckpt_core.errors import RemoteRefitError, WeightLayoutError
 from ckpt_core.layout import (
     LAYOUT_FORMAT,
+    LAYOUT_VERSION,
+    AlternativeNaming,
+    KeptWeight,
     WeightLayout,
     check_layouts,
     nothing,
@@ -87,7 +92,7 @@ def test_a_layout_round_trips_through_json_and_selects_its_parts() -> None:
     ids=["out_of_bounds", "overlapping", "bad_dim", "empty_part", "bad_keep", "bad_shape", "no_shape"],
 )
 def test_a_malformed_entry_is_refused_naming_the_weight(entry: dict[str, Any], message: str) -> None:
-    data = {"format": LAYOUT_FORMAT, "version": 1, "weights": {"w.weight": entry}}
+    data = {"format": LAYOUT_FORMAT, "version": LAYOUT_VERSION, "weights": {"w.weight": entry}}
     with pytest.raises(WeightLayoutError, match="weight 'w.weight'") as refused:
         WeightLayout.from_json(data)
     assert message in str(refused.value)
@@ -120,6 +125,188 @@ def test_layouts_of_all_ranks_must_describe_one_model_and_lose_nothing() -> None
     del fewer["model.norm.weight"]
     with pytest.raises(WeightLayoutError, match="describe different weights"):
         check_layouts({0: layouts[0], 1: WeightLayout(fewer)}, owner="test")
+
+
+# --- alternative namings: experts fused in memory, or one tensor per expert ------------------
+
+EXPERTS, INTER, HIDDEN = 4, 6, 4
+FUSED_PREFIX = "model.layers.0.mlp.experts"
+
+
+def per_expert_weights(fused: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The same weights one tensor per expert, in checkpoint naming: gate rows first, then up."""
+    tensors = dict(fused)
+    gate_up, down = tensors.pop(f"{FUSED_PREFIX}.gate_up_proj"), tensors.pop(f"{FUSED_PREFIX}.down_proj")
+    experts = []
+    for e in range(EXPERTS):
+        experts += [
+            (f"{FUSED_PREFIX}.{e}.gate_proj.weight", gate_up[e, :INTER].clone()),
+            (f"{FUSED_PREFIX}.{e}.up_proj.weight", gate_up[e, INTER:].clone()),
+            (f"{FUSED_PREFIX}.{e}.down_proj.weight", down[e].clone()),
+        ]
+    return [("model.norm.weight", tensors["model.norm.weight"]), *experts]
+
+
+def fused_weights(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """A trainer's in-memory weights (transformers 5 holds experts fused)."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        ("model.norm.weight", torch.randn(HIDDEN, generator=g)),
+        (f"{FUSED_PREFIX}.gate_up_proj", torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g)),
+        (f"{FUSED_PREFIX}.down_proj", torch.randn(EXPERTS, HIDDEN, INTER, generator=g)),
+    ]
+
+
+def experts_layout(rank: int, parallel: str, world_size: int = 2) -> WeightLayout:
+    """Rank ``rank`` of ``world_size``: ``"tp"`` keeps its share of every expert's intermediate
+    dim (rows of gate and of up, columns of down); ``"ep"`` keeps its share of the experts
+    whole. Both namings described, the per-expert one as the layout's weights."""
+    part, owned = INTER // world_size, EXPERTS // world_size
+    weights: dict[str, KeptWeight] = {"model.norm.weight": whole([HIDDEN])}
+    for e in range(EXPERTS):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            shape = (HIDDEN, INTER) if proj == "down_proj" else (INTER, HIDDEN)
+            name = f"{FUSED_PREFIX}.{e}.{proj}.weight"
+            if parallel == "ep":
+                weights[name] = whole(shape) if e // owned == rank else nothing(shape)
+            else:
+                weights[name] = slices(shape, 1 if proj == "down_proj" else 0, [(rank * part, part)])
+    if parallel == "ep":
+        gate_up = slices((EXPERTS, 2 * INTER, HIDDEN), 0, [(rank * owned, owned)])
+        down = slices((EXPERTS, HIDDEN, INTER), 0, [(rank * owned, owned)])
+    else:
+        gate_up = slices((EXPERTS, 2 * INTER, HIDDEN), 1, [(rank * part, part), (INTER + rank * part, part)])
+        down = slices((EXPERTS, HIDDEN, INTER), 2, [(rank * part, part)])
+    gate_up_names = tuple(n for n in weights if n.endswith(("gate_proj.weight", "up_proj.weight")))
+    down_names = tuple(n for n in weights if n.endswith("down_proj.weight"))
+    return WeightLayout(
+        weights,
+        (
+            AlternativeNaming(gate_up_names, {f"{FUSED_PREFIX}.gate_up_proj": gate_up}),
+            AlternativeNaming(down_names, {f"{FUSED_PREFIX}.down_proj": down}),
+        ),
+    )
+
+
+@pytest.mark.parametrize("parallel", ["tp", "ep"])
+def test_fused_experts_or_their_per_expert_tensors_select_the_same_elements(parallel: str) -> None:
+    fused = fused_weights()
+    per_expert = per_expert_weights(fused)
+    layouts = {rank: WeightLayout.from_json(experts_layout(rank, parallel).to_json()) for rank in range(2)}
+    assert layouts == {rank: experts_layout(rank, parallel) for rank in range(2)}  # round trip
+    check_layouts(layouts, owner="test")
+    gate_up, down = fused[1][1], fused[2][1]
+    for rank, layout in layouts.items():
+        from_fused = dict(select_weights(fused, layout, destination="rank"))
+        from_experts = dict(select_weights(per_expert, layout, destination="rank"))
+        assert sum(t.numel() for t in from_fused.values()) == layout.received_elements()
+        assert sum(t.numel() for t in from_experts.values()) == layout.received_elements()
+        # Independently of the selection code: which rows and columns of which experts.
+        if parallel == "tp":
+            rows = slice(rank * 3, rank * 3 + 3)
+            want_gate_up = torch.cat([gate_up[:, :INTER][:, rows], gate_up[:, INTER:][:, rows]], dim=1)
+            want_down = down[:, :, rows]
+            for e in range(EXPERTS):
+                assert torch.equal(from_experts[f"{FUSED_PREFIX}.{e}.gate_proj.weight"], gate_up[e, :INTER][rows])
+                assert torch.equal(from_experts[f"{FUSED_PREFIX}.{e}.down_proj.weight"], down[e][:, rows])
+        else:
+            mine = slice(rank * 2, rank * 2 + 2)
+            want_gate_up, want_down = gate_up[mine], down[mine]
+            assert sorted(from_experts) == sorted(
+                ["model.norm.weight"]
+                + [
+                    f"{FUSED_PREFIX}.{e}.{p}.weight"
+                    for e in range(rank * 2, rank * 2 + 2)
+                    for p in ("gate_proj", "up_proj", "down_proj")
+                ]
+            )
+        assert torch.equal(from_fused[f"{FUSED_PREFIX}.gate_up_proj"], want_gate_up)
+        assert torch.equal(from_fused[f"{FUSED_PREFIX}.down_proj"], want_down)
+        kept = layout.find(f"{FUSED_PREFIX}.gate_up_proj")
+        assert kept is not None and kept.received_shape == tuple(want_gate_up.shape)
+
+
+def test_one_naming_per_group_each_complete_is_required_and_other_checks_hold() -> None:
+    layout = experts_layout(0, "tp")
+    fused = fused_weights()
+    per_expert = per_expert_weights(fused)
+    # One group fused, the other per expert: each group in one naming, accepted.
+    mixed = [*fused[:2], *(item for item in per_expert if "down_proj" in item[0])]
+    assert len(list(select_weights(mixed, layout, destination="rank 0"))) == 2 + EXPERTS
+
+    def refused(weights: list[tuple[str, torch.Tensor]], message: str) -> None:
+        with pytest.raises(WeightLayoutError) as caught:
+            list(select_weights(weights, layout, destination="rank 0"))
+        assert message in str(caught.value), caught.value
+
+    both = [*fused, (f"{FUSED_PREFIX}.2.down_proj.weight", per_expert[9][1])]
+    refused(
+        both, f"yields weight '{FUSED_PREFIX}.2.down_proj.weight' and, in this refit, also '{FUSED_PREFIX}.down_proj'"
+    )
+    neither = [item for item in fused if "down_proj" not in item[0]]
+    refused(neither, f"never yielded: '{FUSED_PREFIX}.0.down_proj.weight'")
+    refused(neither, f"the other naming: '{FUSED_PREFIX}.down_proj'")
+    incomplete = [item for item in per_expert if item[0] != f"{FUSED_PREFIX}.3.up_proj.weight"]
+    refused(incomplete, f"names 1 weight(s) the sender never yielded: '{FUSED_PREFIX}.3.up_proj.weight'")
+    reshaped = [fused[0], (fused[1][0], fused[1][1][:3]), fused[2]]
+    refused(
+        reshaped, f"'{FUSED_PREFIX}.gate_up_proj' has shape [3, 12, 4], but rank 0's layout was made for [4, 12, 4]"
+    )
+    refused([*fused, ("model.layers.0.mlp.experts.w13", fused[1][1])], "which rank 0's layout does not name")
+    refused([*fused, fused[2]], f"yields weight '{FUSED_PREFIX}.down_proj' twice")
+
+
+def test_a_malformed_alternative_is_refused() -> None:
+    good = experts_layout(0, "tp").to_json()
+
+    def refused(change: Any, message: str) -> None:
+        data = {**good, "alternatives": change(list(good["alternatives"]))}
+        with pytest.raises(WeightLayoutError) as caught:
+            WeightLayout.from_json(data)
+        assert message in str(caught.value), caught.value
+
+    down = f"{FUSED_PREFIX}.down_proj"
+    refused(lambda a: {"x": a}, "'alternatives' must be a list")
+    refused(lambda a: [{"replaces": a[0]["replaces"]}], "exactly 'replaces' and 'weights'")
+    refused(lambda a: [{**a[0], "replaces": []}], "'replaces' must be a non-empty list")
+    refused(lambda a: [{**a[0], "replaces": ["nope"]}], "'replaces' names 'nope', which is not one of")
+    refused(lambda a: [a[0], {**a[1], "replaces": [*a[1]["replaces"], a[0]["replaces"][0]]}], "is replaced twice")
+    refused(lambda a: [a[0], {**a[1], "weights": {"model.norm.weight": a[1]["weights"][down]}}], "named elsewhere")
+    refused(lambda a: [a[0], {**a[1], "replaces": a[1]["replaces"][:3]}], "hold another number of elements than the 3")
+    third = {"shape": [EXPERTS, HIDDEN, INTER], "keep": {"dim": 2, "parts": [[0, 2]]}}
+    refused(lambda a: [a[0], {**a[1], "weights": {down: third}}], "the two namings must keep the same part")
+    refused(lambda a: [a[0], {**a[1], "weights": {down: {"shape": [4], "keep": "half"}}}], f"weight '{down}'")
+
+
+def test_layouts_of_all_ranks_agree_on_alternatives_and_cover_them() -> None:
+    layouts = {rank: experts_layout(rank, "tp") for rank in range(2)}
+    down = f"{FUSED_PREFIX}.down_proj"
+    # Rank 1 keeps columns 3..5 of each expert's down_proj, but only 3..4 of the fused one.
+    short = AlternativeNaming(
+        layouts[1].alternatives[1].replaces, {down: slices((EXPERTS, HIDDEN, INTER), 2, [(3, 2)])}
+    )
+    gap = WeightLayout(layouts[1].weights, (layouts[1].alternatives[0], short))
+    with pytest.raises(WeightLayoutError, match=f"no rollout rank keeps index 5 of dimension 2 of weight '{down}'"):
+        check_layouts({0: layouts[0], 1: gap}, owner="test")
+    without = WeightLayout(layouts[1].weights, layouts[1].alternatives[:1])
+    with pytest.raises(WeightLayoutError, match="describe different alternative namings"):
+        check_layouts({0: layouts[0], 1: without}, owner="test")
+
+
+def test_an_engine_sends_the_fused_naming_selected_by_the_layout() -> None:
+    """A layout with alternative namings in an engine: the trainer's fused tensors pass its
+    checks and arrive under their own names, bit-exact as the layout selects them."""
+    layout = experts_layout(0, "tp", world_size=1)
+    policy, rollout = connected(layout.to_json())
+    outcome = run_refit(policy, rollout, lambda: iter(fused_weights(seed=5)))
+    assert outcome.send_error is None and outcome.receive_error is None, (outcome.send_error, outcome.receive_error)
+    expected = list(select_weights(fused_weights(seed=5), layout, destination="x"))
+    assert [n for n, _ in outcome.received] == [n for n, _ in expected]
+    for (name, tensor), (_, want) in zip(outcome.received, expected):
+        assert same_bits(tensor, want), name
+    assert rollout.last_stats is not None and rollout.last_stats.payload_bytes == 4 * layout.received_elements()
+    policy.finalize()
+    rollout.finalize()
 
 
 # --- through an engine ---------------------------------------------------------------------
@@ -191,7 +378,7 @@ def test_a_layout_of_another_model_fails_the_refit_naming_the_weight(change: str
 def test_a_bad_layout_is_refused_at_init_and_nemo_rl_layouts_pass_through() -> None:
     bad = {
         "format": LAYOUT_FORMAT,
-        "version": 1,
+        "version": LAYOUT_VERSION,
         "weights": {"w": {"shape": [4], "keep": {"dim": 0, "parts": [[3, 2]]}}},
     }
     with pytest.raises(WeightLayoutError, match="rollout rank 0's weight_layout: weight 'w'"):

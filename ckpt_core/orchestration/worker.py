@@ -138,13 +138,15 @@ class RefitWorker:
                 sent = factory(params, refit_index=refit_index, rank=self.rank)
                 result_digests = digests(sent) if self.verify else {}
             for destination, layout in layouts.items():
-                sent = select_weights(
-                    factory(params, refit_index=refit_index, rank=self.rank), layout, destination="the destination"
+                # Counted as selected, not from the layout: where it names a weight in two
+                # forms (fused experts, or their per-expert tensors), the weights decide.
+                selected = _Counted(
+                    select_weights(
+                        factory(params, refit_index=refit_index, rank=self.rank), layout, destination="the destination"
+                    )
                 )
-                by_destination[destination] = {
-                    "digests": digests(sent) if self.verify else {},
-                    "tensors": sum(kept.kept for kept in layout.weights.values()),
-                }
+                by_destination[destination] = {"digests": digests(selected) if self.verify else _drain(selected)}
+                by_destination[destination]["tensors"] = selected.count
             if len(layouts) == 1:  # one stream (to one rank, or the same parts to several)
                 (only,) = by_destination.values()
                 result_digests, count = only["digests"], only["tensors"]
@@ -238,6 +240,13 @@ class RefitWorker:
 
 def _drop(batch: list[tuple[str, torch.Tensor]]) -> None:
     """A loader that keeps nothing (a rollout worker that only digests what it receives)."""
+
+
+def _drain(items: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """Pull every item (to count them), keeping none: no digests."""
+    for _ in items:
+        pass
+    return {}
 
 
 class _Counted:

@@ -39,7 +39,7 @@ from ckpt_core.orchestration.protocol import error_reply
 from ckpt_core.orchestration.workload import tensor_digest
 from ckpt_core.registry import create_checkpoint_engine, resolve_backend
 from ckpt_vllm.layout import checkpoint_parameter_bytes, derive_weight_layout, full_weight
-from ckpt_vllm.loading import is_view_of_larger_storage, load_streamed_weights, own_pending_weights
+from ckpt_vllm.loading import load_streamed_weights, own_pending_weights
 from ckpt_vllm.memory import (
     GROWTH_ALLOWANCE_BYTES,
     HeapGuard,
@@ -91,6 +91,17 @@ def _accepts_option(backend: str, option: str) -> bool:
     """Whether ``backend``'s engine class takes ``option`` as a named constructor argument."""
     engine_class = resolve_backend(backend)
     return option in inspect.signature(engine_class.__init__).parameters
+
+
+def _lent_by(state: _RankState) -> Callable[[torch.Tensor], bool]:
+    """Whether a received tensor shows memory the engine lends (valid until the next batch)."""
+    lends = getattr(state.engine, "lends", None)
+    if callable(lends):
+        return lambda tensor: bool(lends(tensor))
+    # A third-party engine that borrows but cannot say which tensors it lends: all of them are
+    # taken as lent, so whatever vLLM still holds of a batch is cloned.
+    borrowed = bool(state.engine_kwargs.get("borrow_received_tensors"))
+    return lambda tensor: borrowed
 
 
 def _replying(method: Callable[..., Any]) -> Callable[..., dict[str, Any]]:
@@ -247,10 +258,13 @@ class CkptEngineWorkerExtension:
         """The engine's received batches as one stream of ``(name, tensor)``, pulled as vLLM
         loads them (so at most the engine's own buffers and vLLM's pending layer are held).
         With borrowed batches, what vLLM still holds of a batch is cloned before the next one
-        is asked for (:func:`~ckpt_vllm.loading.own_pending_weights`)."""
+        is asked for (:func:`~ckpt_vllm.loading.own_pending_weights`). A tensor is lent when the
+        engine says so (``BucketedEngine.lends``: by the memory it views, so a weight that fills
+        its bucket exactly counts too); for an engine that cannot say, every tensor of a
+        borrowed batch is."""
         batches = state.engine.receive_weight_batches()
         guard = HeapGuard(budget_bytes=2 * state.bucket_size_bytes + GROWTH_ALLOWANCE_BYTES)
-        borrowed = bool(state.engine_kwargs.get("borrow_received_tensors"))
+        lent_by = _lent_by(state)
         model = self.model_runner.get_model()
         loop = asyncio.new_event_loop()
         try:
@@ -267,12 +281,13 @@ class CkptEngineWorkerExtension:
                 batch.reverse()
                 while batch:  # drop the batch's reference to each tensor once vLLM has it
                     name, tensor = batch.pop()
-                    if borrowed and is_view_of_larger_storage(tensor):
+                    if lent_by(tensor):
                         lent.add(tensor.untyped_storage().data_ptr())
                     if state.verify:
                         tally.digests[name] = tensor_digest(tensor)
-                    if state.layout is not None and name in state.layout.weights:
-                        tensor = full_weight(tensor, state.layout.weights[name])  # where vLLM reads it
+                    kept = state.layout.find(name) if state.layout is not None else None
+                    if kept is not None:
+                        tensor = full_weight(name, tensor, kept)  # where vLLM reads it
                     yield name, tensor
                     del tensor
                 if lent:  # before the next batch refills the buffers these tensors view

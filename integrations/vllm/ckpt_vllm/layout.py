@@ -10,11 +10,15 @@ that the trainer's engine sends this rank only its shards.
 
 Mixture-of-experts layers (vLLM's ``RoutedExperts``) are described in Hugging Face's per-expert
 naming (``experts.<e>.{gate,up,down}_proj.weight``): each rank keeps its tensor-parallel share of
-the experts it holds and nothing of the others. A module of a kind not listed here is kept
-whole: it then arrives entire and vLLM's own loader takes its part, as without a layout
-(correct, without the saving). :func:`full_weight` puts a
-received shard back where vLLM's loader reads it: vLLM's loaders take the full checkpoint
-tensor and cut their shard themselves.
+the experts it holds and nothing of the others. Their fused naming, as transformers 5 holds
+experts in memory (``experts.gate_up_proj`` ``[E, 2 * I, H]``, gate rows then up rows of each
+expert, and ``experts.down_proj`` ``[E, H, I]``; with the model's
+``is_fused_checkpoint_transposed``, the last two dimensions swapped), is described beside it
+as an alternative naming (:class:`ckpt_core.layout.AlternativeNaming`): a trainer yields
+either. A module of a kind not listed here is kept whole: it then arrives entire and vLLM's
+own loader takes its part, as without a layout (correct, without the saving).
+:func:`full_weight` puts a received shard back where vLLM's loader reads it: vLLM's loaders
+take the full checkpoint tensor and cut their shard themselves.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from typing import Any
 
 import torch
 
-from ckpt_core.layout import KeptWeight, WeightLayout, nothing, slices, whole
+from ckpt_core.errors import WeightLayoutError
+from ckpt_core.layout import AlternativeNaming, KeptWeight, WeightLayout, nothing, slices, whole
+from ckpt_vllm.errors import RolloutLoadError
 
 
 def derive_weight_layout(model: torch.nn.Module) -> WeightLayout:
@@ -34,9 +40,12 @@ def derive_weight_layout(model: torch.nn.Module) -> WeightLayout:
 
     packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
     weights: dict[str, KeptWeight] = {}
+    alternatives: list[AlternativeNaming] = []
     for module_name, module in model.named_modules():
         if type(module).__name__ == "RoutedExperts":
-            weights.update(_expert_weights(module_name, module))
+            per_expert, fused = _expert_weights(module_name, module)
+            weights.update(per_expert)
+            alternatives.extend(fused)
             continue
         # Checkpoint-format shapes as vLLM recorded them at load (before post-load processing
         # repacked weights); a parameter registered after that (a bias) has its shape still.
@@ -53,7 +62,7 @@ def derive_weight_layout(model: torch.nn.Module) -> WeightLayout:
                     weights[f"{prefix}{part}.{param_name}"] = kept
             else:
                 weights[f"{module_name}.{param_name}"] = _kept(module, param_name, shape)
-    return WeightLayout(weights)
+    return WeightLayout(weights, tuple(alternatives))
 
 
 def checkpoint_parameter_bytes(model: torch.nn.Module) -> int:
@@ -69,11 +78,25 @@ def checkpoint_parameter_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def full_weight(tensor: torch.Tensor, kept: KeptWeight) -> torch.Tensor:
-    """``tensor`` (what this rank received of a weight) as a tensor of the weight's full shape
-    with the received parts where they belong: what vLLM's loaders expect. The other elements
-    are never read by them and are left unset."""
-    if kept.whole or not kept.kept:
+def full_weight(name: str, tensor: torch.Tensor, kept: KeptWeight) -> torch.Tensor:
+    """``tensor`` (what this rank received of weight ``name``) as a tensor of the weight's full
+    shape with the received parts where they belong: what vLLM's loaders expect. The other
+    elements are never read by them and are left unset. Works for any number of dimensions.
+
+    A tensor of another shape than the layout says this rank receives (``kept.received_shape``)
+    raises :class:`~ckpt_vllm.errors.RolloutLoadError` naming the weight and both shapes: the
+    rank's layout is its own, checked at init, so it is the received weight that does not fit
+    (a sender that did not select by this layout), which is what that error reports. Placing
+    it anyway would hand vLLM misplaced rows or fail inside a copy with no weight named."""
+    expected = kept.received_shape
+    if tuple(tensor.shape) != expected:
+        what = "none of it" if expected is None else f"shape {list(expected)}"
+        raise RolloutLoadError(
+            f"received weight {name!r} with shape {list(tensor.shape)}, but this rank's layout says it receives "
+            f"{what} (of the full {list(kept.shape)}): the sender did not select by this rank's layout; "
+            "build every engine of the refit, the trainer's too, with the same shard_expert_weights"
+        )
+    if kept.whole:
         return tensor
     assert kept.dim is not None
     full = torch.empty(kept.shape, dtype=tensor.dtype, device=tensor.device)
@@ -131,10 +154,12 @@ def _fused_part(module: Any, index: int, param_name: str, shape: tuple[int, ...]
     raise NotImplementedError(f"fused module {type(module).__name__} has no known layout")
 
 
-def _expert_weights(module_name: str, module: Any) -> dict[str, KeptWeight]:
-    """A mixture-of-experts layer's routed experts, in Hugging Face checkpoint naming
-    (``<prefix>.<expert>.{gate,up,down}_proj.weight``): every rank keeps its tensor-parallel
-    share of the experts it holds (rows of gate/up, columns of down), nothing of the others."""
+def _expert_weights(module_name: str, module: Any) -> tuple[dict[str, KeptWeight], list[AlternativeNaming]]:
+    """A mixture-of-experts layer's routed experts: in Hugging Face checkpoint naming
+    (``<prefix>.<expert>.{gate,up,down}_proj.weight``), every rank keeping its tensor-parallel
+    share of the experts it holds (rows of gate/up, columns of down) and nothing of the others;
+    and, as alternatives to those, the fused ``<prefix>.gate_up_proj`` and ``<prefix>.down_proj``
+    (:func:`_fused_experts`)."""
     prefix = module_name.removesuffix(".routed_experts")
     parallel = module.moe_config.moe_parallel_config
     tp_rank, tp_size = int(parallel.tp_rank), int(parallel.tp_size)
@@ -142,18 +167,64 @@ def _expert_weights(module_name: str, module: Any) -> dict[str, KeptWeight]:
     hidden = int(module.hidden_size)
     full = rows * tp_size
     is_local = getattr(getattr(module, "expert_map_manager", None), "is_local_expert", lambda expert: True)
+    local = [bool(is_local(expert)) for expert in range(int(module.global_num_experts))]
     weights: dict[str, KeptWeight] = {}
-    for expert in range(int(module.global_num_experts)):
+    for expert, held in enumerate(local):
         names = {f"{prefix}.{expert}.{proj}.weight": proj for proj in ("gate_proj", "up_proj", "down_proj")}
         for name, proj in names.items():
             shape = (hidden, full) if proj == "down_proj" else (full, hidden)
-            if not is_local(expert):
+            if not held:
                 weights[name] = nothing(shape)
             elif tp_size == 1:
                 weights[name] = whole(shape)
             else:
                 weights[name] = slices(shape, 1 if proj == "down_proj" else 0, [(tp_rank * rows, rows)])
-    return weights
+    if not getattr(module.moe_config, "is_act_and_mul", True):
+        return weights, []  # no gate: vLLM names its fused form otherwise (not described here)
+    gate_up, down = _fused_experts(module_name, module, local, tp_rank, tp_size, rows, hidden)
+    gate_up_names = tuple(n for n in weights if n.endswith((".gate_proj.weight", ".up_proj.weight")))
+    down_names = tuple(n for n in weights if n.endswith(".down_proj.weight"))
+    return weights, [
+        AlternativeNaming(gate_up_names, {f"{prefix}.gate_up_proj": gate_up}),
+        AlternativeNaming(down_names, {f"{prefix}.down_proj": down}),
+    ]
+
+
+def _fused_experts(
+    module_name: str, module: Any, local: list[bool], tp_rank: int, tp_size: int, rows: int, hidden: int
+) -> tuple[KeptWeight, KeptWeight]:
+    """What this rank keeps of the fused ``gate_up_proj`` (``[E, 2 * I, H]``) and ``down_proj``
+    (``[E, H, I]``; both with their last two dimensions swapped when the module says
+    ``is_fused_checkpoint_transposed``), as vLLM's loader reads them: it splits gate_up in two
+    halves along the intermediate dimension and each expert's loader cuts its tensor-parallel
+    rows of each half (columns of down); with expert parallelism, it loads its own experts whole."""
+    experts = len(local)
+    full = rows * tp_size
+    transposed = bool(getattr(module, "is_fused_checkpoint_transposed", False))
+    gate_up_shape = (experts, hidden, 2 * full) if transposed else (experts, 2 * full, hidden)
+    down_shape = (experts, full, hidden) if transposed else (experts, hidden, full)
+    if all(local):
+        if tp_size == 1:
+            return whole(gate_up_shape), whole(down_shape)
+        start = tp_rank * rows
+        gate_up = slices(gate_up_shape, 2 if transposed else 1, [(start, rows), (full + start, rows)])
+        return gate_up, slices(down_shape, 1 if transposed else 2, [(start, rows)])
+    if tp_size > 1:
+        raise WeightLayoutError(
+            f"{module_name}: this rank holds {sum(local)} of {experts} experts and a tensor-parallel share "
+            f"({tp_rank} of {tp_size}) of each: a part of the fused experts along two dimensions, which a "
+            "layout cannot name (vLLM 0.32 never shards experts both ways: expert parallelism sets their "
+            "tensor-parallel size to 1); run without shard_expert_weights for this model"
+        )
+    runs: list[tuple[int, int]] = []  # this rank's experts, as runs of consecutive ones
+    for expert, held in enumerate(local):
+        if held and runs and sum(runs[-1]) == expert:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        elif held:
+            runs.append((expert, 1))
+    if not runs:
+        return nothing(gate_up_shape), nothing(down_shape)
+    return slices(gate_up_shape, 0, runs), slices(down_shape, 0, runs)
 
 
 def _fused_rows(module: Any) -> list[int]:

@@ -115,13 +115,6 @@ def load_streamed_weights(worker: Any, weights: Iterable[tuple[str, torch.Tensor
     return tracked.count, tracked.nbytes
 
 
-def is_view_of_larger_storage(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` shows part of a larger storage: every borrowed tensor does (a view of a
-    transport buffer), and so does a small received tensor packed with others; a tensor that
-    owns its memory does not."""
-    return tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size()
-
-
 def own_pending_weights(model: torch.nn.Module, lent_storages: set[int]) -> int:
     """Replace with clones the tensors vLLM's layerwise reload still holds, for layers not
     complete yet, that view one of ``lent_storages`` (storage ``data_ptr()`` values); returns the
@@ -129,7 +122,7 @@ def own_pending_weights(model: torch.nn.Module, lent_storages: set[int]) -> int:
 
     Call it once vLLM took every tensor of a borrowed batch and before the next batch is asked
     for (which refills the buffers the borrowed tensors view), with the storages of that
-    batch's tensors for which :func:`is_view_of_larger_storage` holds. What vLLM keeps past the
+    batch's lent tensors (those the engine's ``lends`` accepts). What vLLM keeps past the
     call is then memory of its own: the weights of the layers open at the boundary, which an
     owning receive would have kept as well; weights of layers that completed within the batch
     were copied into the model by vLLM and are never copied here.
