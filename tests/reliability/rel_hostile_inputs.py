@@ -3,9 +3,9 @@
 Weights whose memory is not there (freed, shrunk, fake, nested), settings that only one side
 applies, sizes and timeouts past what the layers below can represent, forged headers with huge
 or overflowing shapes, and ``finalize()`` in the middle of a refit. Each must get one of
-ckpt-core's typed errors, like every row of :mod:`rel_bad_inputs`; the test walks both lists
-(``test_rel_bad_inputs.py``), and ``python tests/reliability/rel_hostile_inputs.py`` prints
-the rows of both for the docs.
+ckpt-core's typed errors, like every row of :mod:`rel_bad_inputs`; the test walks every list
+(``test_rel_bad_inputs.py``), and ``python tests/reliability/rel_round3_inputs.py`` prints the
+rows of all of them for the docs.
 
 Several of these crashed the process before they were fixed (SIGSEGV or SIGABRT from Gloo),
 so ``run_isolated`` runs a case in a child process when checking them against old code.
@@ -14,7 +14,6 @@ so ``run_isolated`` runs a case in a child process when checking them against ol
 from __future__ import annotations
 
 import asyncio
-import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -389,13 +388,3 @@ HOSTILE_CASES: list[Case] = [
 ]
 
 assert all(issubclass(t, CheckpointEngineError) for case in HOSTILE_CASES for t in case.expect)
-
-
-if __name__ == "__main__":
-    import tempfile
-
-    from rel_bad_inputs import CASES, markdown_table
-
-    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
-        print(markdown_table(Path(tmp), CASES + HOSTILE_CASES))
-    sys.stdout.flush()

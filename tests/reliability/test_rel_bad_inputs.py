@@ -1,5 +1,5 @@
-"""Every kind of bad input in ``rel_bad_inputs.CASES`` and ``rel_hostile_inputs.HOSTILE_CASES``
-gets a clear, typed error.
+"""Every kind of bad input in ``rel_bad_inputs.CASES``, ``rel_hostile_inputs.HOSTILE_CASES`` and
+``rel_round3_inputs.ROUND3_CASES`` gets a clear, typed error.
 
 One test per row of the table in docs/reliability.md. Each runs in this process against real
 engines (peers on threads where one is needed). A case fails when the error is missing, is not
@@ -16,8 +16,9 @@ import rel_bad_inputs
 from rel_bad_inputs import CASES as FIRST_CASES
 from rel_bad_inputs import Case, check, run_case
 from rel_hostile_inputs import HOSTILE_CASES
+from rel_round3_inputs import ROUND3_CASES
 
-CASES = FIRST_CASES + HOSTILE_CASES
+CASES = FIRST_CASES + HOSTILE_CASES + ROUND3_CASES
 
 
 def test_the_table_has_at_least_25_kinds_of_bad_input() -> None:
