@@ -99,11 +99,16 @@ def _wait_until_served(host: str, port: int, deadline: float) -> str | None:
 
 
 class DetachableStore(dist.Store):
-    """Forwards every call to ``inner`` until :meth:`detach`; then each raises ``RuntimeError``."""
+    """Forwards every call to ``inner`` until :meth:`detach`; then each raises ``RuntimeError``,
+    but ``check``, which answers ``False``: a ``ProcessGroupNCCL``'s heartbeat monitor asks its
+    store every second whether a debug dump was requested (``check(["exception_dump"])``) and
+    logs an error for each failed ask; none can be requested through a closed rendezvous."""
 
     def __init__(self, inner: Any) -> None:
         super().__init__()
         self._inner = inner
+        self.checks_after_detach = 0
+        """How many ``check`` calls this store answered itself since :meth:`detach`."""
 
     def detach(self) -> None:
         self._inner = None
@@ -114,7 +119,10 @@ class DetachableStore(dist.Store):
 
     def _store(self) -> Any:
         if self._inner is None:
-            raise RuntimeError("the rendezvous store was closed after the groups formed")
+            raise RuntimeError(
+                "the rendezvous store was closed after the groups formed; an operation that needs it (a new "
+                "communicator) cannot run any more"
+            )
         return self._inner
 
     def set(self, key: str, value: Any) -> None:
@@ -130,7 +138,10 @@ class DetachableStore(dist.Store):
         return bytes(self._store().compare_set(key, expected, desired))
 
     def check(self, keys: list[str]) -> bool:
-        return bool(self._store().check(keys))
+        if self._inner is None:
+            self.checks_after_detach += 1
+            return False
+        return bool(self._inner.check(keys))
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         if timeout is None:

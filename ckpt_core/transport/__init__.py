@@ -24,6 +24,7 @@ _EXPORTS = {
     "BucketSender": "ckpt_core.transport.interfaces",
     "BucketedEngine": "ckpt_core.transport.engine",
     "Checksum": "ckpt_core._internal.pipeline",
+    "DetachableStore": "ckpt_core._internal.store",
     "DistributedEngine": "ckpt_core.transport.torch_distributed",
     "DistributedReceiver": "ckpt_core.transport.torch_distributed",
     "DistributedSender": "ckpt_core.transport.torch_distributed",
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     from ckpt_core._internal.device_checksum import device_payload_checksum
     from ckpt_core._internal.dtypes import dtype_from_name, dtype_name
     from ckpt_core._internal.pipeline import Checksum
+    from ckpt_core._internal.store import DetachableStore
     from ckpt_core._internal.wire import MAX_HEADER_BYTES, decode_header
     from ckpt_core.options import MAX_TIMEOUT_S, check_bool, check_choice, check_positive_number
     from ckpt_core.transport.capabilities import BackendCapabilities

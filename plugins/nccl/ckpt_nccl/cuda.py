@@ -11,10 +11,10 @@ dedicated, prefixed store the core hands over: the default process group is neve
 
 from __future__ import annotations
 
-import contextlib
 import datetime
+import logging
 import os
-from collections.abc import Iterator
+import threading
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -23,11 +23,41 @@ import torch.distributed as dist
 
 from ckpt_core.errors import EngineOptionError
 
-_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
-_CLEAN_UP_ONLY = "2"
+logger = logging.getLogger(__name__)
+
+ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+CLEAN_UP_ONLY = "2"
 """ProcessGroupNCCL's ``CleanUpOnly`` mode: on an error or timeout its watchdog aborts the
 communicator but leaves the process alive, so the failure reaches the caller as an exception
 from the waiting call. The default mode (3) takes the whole process down."""
+_environment_lock = threading.Lock()
+
+
+def use_clean_up_only_mode() -> None:
+    """Put ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (:data:`CLEAN_UP_ONLY`) in this process's
+    environment, where each ``ProcessGroupNCCL`` reads its error mode when it is constructed.
+
+    Written at most once per process and never restored: the environment is not safe to
+    change while other threads read it (``setenv`` racing ``getenv`` can crash the process),
+    and every NCCL group already built, this library's or the trainer's, runs watchdog threads.
+    The engine calls this when it is constructed, before it builds any group; once the value
+    is there, later calls write nothing. NCCL groups the process builds afterwards, the
+    caller's included, run in this mode too; groups built before keep theirs. A different
+    value set earlier (``torchrun`` sets 1) is replaced, with a warning naming it.
+    """
+    with _environment_lock:
+        previous = os.environ.get(ERROR_HANDLING_ENV)
+        if previous == CLEAN_UP_ONLY:
+            return
+        os.environ[ERROR_HANDLING_ENV] = CLEAN_UP_ONLY
+    if previous is not None:
+        logger.warning(
+            "ckpt-nccl set %s=%s (it was %r) for this process: a failed NCCL transfer must reach the "
+            "caller as an error, not end the process; NCCL groups built from now on use that mode",
+            ERROR_HANDLING_ENV,
+            CLEAN_UP_ONLY,
+            previous,
+        )
 
 
 class PackStream(Protocol):
@@ -123,11 +153,16 @@ class CudaPlatform:
         return str(torch.cuda.get_device_properties(device).uuid)
 
     def new_group(self, store: Any, rank: int, size: int, *, device: torch.device, timeout_s: float) -> Any:
+        """A ``ProcessGroupNCCL`` in ``CleanUpOnly`` error mode (see :func:`use_clean_up_only_mode`),
+        its communicator created. It keeps ``store`` for life, and its heartbeat monitor asks
+        it every second whether a debug dump was requested: ``store`` is a prefix of the core's
+        rendezvous ``DetachableStore``, which answers that "no" once the rendezvous closed after
+        init, rather than failing (NCCL would log each failure)."""
+        use_clean_up_only_mode()  # a no-op after the engine's own call: the value is there
         options = dist.ProcessGroupNCCL.Options()
         options.is_high_priority_stream = False
         options._timeout = datetime.timedelta(seconds=timeout_s)
-        with _environment(_ERROR_HANDLING_ENV, _CLEAN_UP_ONLY):
-            group = dist.ProcessGroupNCCL(store, rank, size, options)
+        group = dist.ProcessGroupNCCL(store, rank, size, options)
         try:
             # Create the communicator now, while every member is inside init: a failure shows
             # up there, not in the middle of the first refit.
@@ -144,17 +179,3 @@ class CudaPlatform:
     def release_cached_memory(self, device: torch.device) -> None:
         with torch.cuda.device(device):
             torch.cuda.empty_cache()
-
-
-@contextlib.contextmanager
-def _environment(name: str, value: str) -> Iterator[None]:
-    """Set an environment variable for the duration of a constructor that reads it."""
-    previous = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = previous

@@ -26,7 +26,7 @@ from ckpt_core.transport import (
     device_payload_checksum,
 )
 
-from .cuda import CudaPlatform, PackStream, Platform
+from .cuda import CudaPlatform, PackStream, Platform, use_clean_up_only_mode
 from .options import check_options
 from .transport import NcclSender, PayloadGroup, check_distinct_gpus, link_members
 
@@ -46,6 +46,13 @@ class NcclCheckpointEngine(DistributedEngine):
 
     Checksums are :func:`ckpt_core._internal.device_checksum.device_payload_checksum` (computed on the
     GPU), not the core's host-memory xxh3.
+
+    Constructing one sets ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` in the process's environment,
+    once (see :func:`ckpt_nccl.cuda.use_clean_up_only_mode`). Received tensors, borrowed or
+    not, are ready on the CUDA stream that was current on the receiving thread when their
+    batch was asked for; a consumer reading them on another stream must first make that stream
+    wait for it, and a borrowing consumer must have queued every read of a borrowed tensor on
+    that stream (or synchronized) before it asks for the next batch.
     """
 
     backend_name: ClassVar[str] = "nccl"
@@ -93,6 +100,8 @@ class NcclCheckpointEngine(DistributedEngine):
                 "with NCCL and a visible GPU; use the gloo_cpu backend for host-only workers."
             )
         self.device: torch.device = self.platform.resolve_device(owner, options.device_index)
+        # Before this engine builds any NCCL group, and at most once per process.
+        use_clean_up_only_mode()
         super().__init__(
             bucket_size=options.bucket_size,
             topology=options.topology,

@@ -3,8 +3,9 @@
 One GPU cannot hold two ranks of one NCCL communicator, so a one-GPU machine checks what a
 single rank can: a one-rank NCCL group on a TCPStore, packing on the side stream, the
 device checksum against the host's, the sender's whole pipeline into a one-rank link, and
-the engine's GPU-side setup. The conformance kit between processes, which needs a GPU per
-rank, is in test_nccl_conformance.py.
+the engine's GPU-side setup, and what the engine does to its process (NCCL's error mode set
+once, the closed rendezvous quiet) in a process of its own. The conformance kit between
+processes, which needs a GPU per rank, is in test_nccl_conformance.py.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +28,7 @@ from ckpt_core.contract import TensorMeta
 from ckpt_core.errors import EngineOptionError
 from ckpt_core.testing.weights import every_dtype
 from ckpt_nccl import NcclCheckpointEngine
-from ckpt_nccl.cuda import CudaPackStream, CudaPlatform
+from ckpt_nccl.cuda import CLEAN_UP_ONLY, ERROR_HANDLING_ENV, CudaPackStream, CudaPlatform
 from ckpt_nccl.transport import NcclSender, PayloadGroup
 
 REASON = CudaPlatform().unavailable_reason()
@@ -182,3 +187,31 @@ def test_two_ranks_on_one_gpu_are_refused_before_nccl_sees_them():
     finally:
         policy.finalize()
         rollout.finalize()
+
+
+def test_the_error_mode_is_set_once_and_the_closed_rendezvous_answers_nccls_monitor_quietly():
+    """In a fresh process (nccl_gpu_process.py), whose first NCCL group is the one polled:
+    constructing the engine sets CleanUpOnly mode, building a group writes no environment, and
+    once the rendezvous is detached NCCL's heartbeat monitor keeps asking the group's detached
+    store for a dump signal without a single logged error (on the bare rendezvous store it
+    logged one per poll)."""
+    env = {key: value for key, value in os.environ.items() if key != ERROR_HANDLING_ENV}
+    # The monitor and its dump signal, made explicit, and a poll every 100 ms instead of every second.
+    env.update(
+        TORCH_NCCL_ENABLE_MONITORING="1",
+        TORCH_NCCL_DUMP_ON_TIMEOUT="1",
+        TORCH_NCCL_TRACE_BUFFER_SIZE="2000",
+        TORCH_NCCL_COORD_CHECK_MILSEC="100",
+    )
+    script = Path(__file__).resolve().parent / "nccl_gpu_process.py"
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["env_at_start"] is None and report["env_after_engine"] == CLEAN_UP_ONLY, report
+    assert report["group_wrote_environment"] is False and report["moved"] is True, report
+    noise = [line for line in done.stderr.splitlines() if "should dump" in line.lower() or "was closed" in line]
+    assert not noise, noise[:5]
+    assert report["checks_after_detach"], (
+        "NCCL's heartbeat monitor never asked the detached store in 2 s at a 100 ms interval, so this test "
+        f"saw nothing to check (torch {torch.__version__}); report {report}; stderr {done.stderr[-2000:]}"
+    )
