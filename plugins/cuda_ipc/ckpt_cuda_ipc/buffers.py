@@ -12,8 +12,10 @@ rank 0 at init and mapped once by each rollout at init; refits only reuse it.
   (nothing in ``/dev/shm``); the kernel frees it when the last process holding a mapping or
   descriptor exits, however it exits.
 * :class:`CudaSlots` (``device="cuda"``): one ``cudaMalloc`` made through cupy, outside any
-  memory pool, whose IPC handle is exported once; rollouts open it once
-  (``cudaIpcOpenMemHandle``) and close it at finalize.
+  memory pool, whose IPC handle is exported once; rollouts on the same physical GPU (checked
+  by UUID) open it once (``cudaIpcOpenMemHandle``) and close it at finalize. The slot tensors
+  alias that memory (checked at init), and it is freed or unmapped only once no view of it is
+  left.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ import gc
 import importlib
 import mmap
 import os
+import sys
 import warnings
 import weakref
 from typing import Any
 
 import torch
 
-from ckpt_core.errors import BackendUnavailableError, OutOfMemoryError, WireFormatError
+from ckpt_core.errors import BackendUnavailableError, EngineOptionError, OutOfMemoryError, WireFormatError
 
 PAGE = 4096
 IPC_HANDLE_BYTES = 64
@@ -199,8 +202,10 @@ def _map_anonymous_over(address: int, size: int) -> None:
         raise OSError(errno, f"mmap over the slot buffers failed: {os.strerror(errno)}")
 
 
-class _DeviceArray:
-    """A raw device range described by ``__cuda_array_interface__``, for ``torch.as_tensor``."""
+class _DeviceRange:
+    """``nbytes`` of device memory at ``pointer``, described for ``torch.as_tensor`` by
+    ``__cuda_array_interface__``. torch keeps the object it aliases alive until the last
+    tensor viewing that memory is freed, so a finalizer on this object runs only then."""
 
     def __init__(self, pointer: int, nbytes: int) -> None:
         self.__cuda_array_interface__ = {
@@ -210,6 +215,26 @@ class _DeviceArray:
             "version": 2,
             "strides": None,
         }
+
+
+def _release_device_memory(cupy: Any, pointer: int, owner: bool, device_index: int) -> None:
+    """Free the allocation (its owner) or close this process's IPC mapping of it, once the
+    device has finished the work queued on it (which may still read the memory)."""
+    runtime = cupy.cuda.runtime
+    with cupy.cuda.Device(device_index):
+        runtime.deviceSynchronize()
+        if owner:
+            runtime.free(pointer)
+            return
+        try:
+            runtime.ipcCloseMemHandle(pointer)
+        except Exception:  # noqa: BLE001 - the exporter already freed it (it finalized first, or
+            pass  # died); the mapping is gone either way
+
+
+def _free_when_collected(memory: _DeviceRange, cupy: Any, pointer: int, owner: bool, device: torch.device) -> None:
+    finalizer = weakref.finalize(memory, _release_device_memory, cupy, pointer, owner, device.index)
+    finalizer.atexit = False  # the process's end releases both, and CUDA may be torn down by then
 
 
 def import_cupy() -> Any:
@@ -224,23 +249,73 @@ def import_cupy() -> Any:
         ) from exc
 
 
-class CudaSlots:
-    """Slot buffers in one device allocation shared by CUDA IPC (see the module docstring)."""
+def gpu_uuid(device: torch.device) -> str:
+    """The UUID of the physical GPU behind ``device`` in this process: the same in every
+    process that sees that GPU, whatever index ``CUDA_VISIBLE_DEVICES`` gives it there."""
+    return str(torch.cuda.get_device_properties(device).uuid)
 
-    def __init__(
-        self, cupy: Any, pointer: int, owner: bool, device: torch.device, bucket_size: int, num_slots: int
-    ) -> None:
-        self._cupy = cupy
-        self._pointer = pointer
-        self._owner = owner
+
+def check_same_gpu(policy_gpu: Any, rollout_gpu: str, device: torch.device) -> None:
+    """Refuse to map policy rank 0's slots from another physical GPU than theirs.
+
+    A pointer opened from a peer GPU's allocation is memory of that GPU: a tensor made on
+    ``device`` from it would be a one-time copy, and every later refit would read that copy's
+    stale bytes. vLLM's CUDA IPC weight transfer makes the same rule (same GPU, by UUID).
+    """
+    if not isinstance(policy_gpu, str) or not policy_gpu:
+        raise WireFormatError(f"policy rank 0 did not say which GPU its buffers are on (gpu_uuid={policy_gpu!r})")
+    if policy_gpu != rollout_gpu:
+        raise EngineOptionError(
+            f"this rollout's device {device} is GPU {rollout_gpu}, but policy rank 0's buffers are on GPU "
+            f"{policy_gpu}: with device='cuda', cuda_ipc maps the policy's memory in place, so every rollout "
+            "must use the policy's physical GPU (compare nvidia-smi -L; its index may differ per process under "
+            "CUDA_VISIBLE_DEVICES). Put the rollout on that GPU, or use the nccl backend between GPUs"
+        )
+
+
+class CudaSlots:
+    """Slot buffers in one device allocation shared by CUDA IPC (see the module docstring).
+
+    ``memory`` is what the views alias: an object that ``torch.as_tensor`` wraps without a copy
+    and keeps alive while any view of it is (a :class:`_DeviceRange`; any such object, a host
+    array included, serves), whose finalizer frees the memory. ``pointer`` is where that memory
+    starts on ``device``; the constructor checks that the slot tensor is that memory, on that
+    device (``BackendUnavailableError`` otherwise), so a refit never reads a copy.
+    """
+
+    def __init__(self, memory: Any, pointer: int, device: torch.device, bucket_size: int, num_slots: int) -> None:
+        self.pointer = pointer
         self.device = device
         self.bucket_size = bucket_size
         self.num_slots = num_slots
         self.stride = slot_stride(bucket_size)
-        whole = torch.as_tensor(_DeviceArray(pointer, self.stride * num_slots), device=device)
+        size = self.stride * num_slots
+        references = sys.getrefcount(memory)
+        # Memory on another device than `device` (a peer GPU's pointer) is copied here, once,
+        # without a word from torch: the check below refuses that.
+        whole = torch.as_tensor(memory, device=device)
+        if (whole.device, whole.data_ptr(), whole.numel(), whole.dtype) != (device, pointer, size, torch.uint8):
+            raise BackendUnavailableError(
+                f"the slot buffers would not alias the shared memory: from the {size} bytes at {pointer:#x}, "
+                f"torch made {whole.numel()} {whole.dtype} on {whole.device} at {whole.data_ptr():#x} (a copy: "
+                f"the memory is not on {device}), and every refit would read that copy's stale bytes. Map the "
+                "slots on the GPU that holds them"
+            )
+        if sys.getrefcount(memory) <= references:
+            raise BackendUnavailableError(
+                f"torch {torch.__version__} does not keep the memory behind a tensor made by torch.as_tensor "
+                "alive, so the slots cannot tell when their last view is gone; this torch is not supported"
+            )
+        self._memory = weakref.ref(memory)
         self._views: list[torch.Tensor] = [
             whole[k * self.stride : k * self.stride + bucket_size] for k in range(num_slots)
         ]
+
+    @property
+    def mapped(self) -> bool:
+        """Whether the memory is still allocated (policy) or mapped (rollout): some view of it
+        is alive somewhere."""
+        return self._memory() is not None
 
     @classmethod
     def allocate(cls, device: torch.device, bucket_size: int, num_slots: int) -> CudaSlots:
@@ -256,21 +331,24 @@ class CudaSlots:
                 ) from exc
             try:
                 cupy.cuda.runtime.memset(pointer, 0, size)
-                slots = cls(cupy, pointer, True, device, bucket_size, num_slots)
             except BaseException:
                 cupy.cuda.runtime.free(pointer)
                 raise
-        return slots
+        memory = _DeviceRange(pointer, size)
+        # From here on the allocation is freed when the last view of it dies (or the slots fail).
+        _free_when_collected(memory, cupy, pointer, True, device)
+        return cls(memory, pointer, device, bucket_size, num_slots)
 
     def describe(self) -> dict[str, Any]:
         """The IPC handle (exported once) and the device's identity, as JSON data."""
-        cupy = self._cupy
+        cupy = import_cupy()
         with cupy.cuda.Device(self.device.index):
-            handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(self._pointer))
+            handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(self.pointer))
             pci_bus_id = cupy.cuda.runtime.deviceGetPCIBusId(self.device.index)
         return {
             "kind": "cuda_ipc",
             "handle": handle.hex(),
+            "gpu_uuid": gpu_uuid(self.device),
             "pci_bus_id": pci_bus_id,
             "stride": self.stride,
             "size": self.stride * self.num_slots,
@@ -278,7 +356,8 @@ class CudaSlots:
 
     @classmethod
     def attach(cls, description: dict[str, Any], device: torch.device, bucket_size: int, num_slots: int) -> CudaSlots:
-        """Open the policy's IPC handle on ``device`` (the same GPU, or a peer-capable one)."""
+        """Open the policy's IPC handle on ``device``, which must be the policy's physical GPU
+        (``EngineOptionError`` naming both GPUs otherwise, before the handle is opened)."""
         size = slot_stride(bucket_size) * num_slots
         handle_hex = description.get("handle")
         if description.get("kind") != "cuda_ipc" or description.get("size") != size or not isinstance(handle_hex, str):
@@ -292,23 +371,21 @@ class CudaSlots:
             raise WireFormatError("policy rank 0 sent a CUDA IPC handle that is not hex") from None
         if len(handle) != IPC_HANDLE_BYTES:
             raise WireFormatError(f"a CUDA IPC handle has {IPC_HANDLE_BYTES} bytes, got {len(handle)}")
+        check_same_gpu(description.get("gpu_uuid"), gpu_uuid(device), device)
         cupy = import_cupy()
         runtime = cupy.cuda.runtime
         with cupy.cuda.Device(device.index):
             try:
                 pointer = int(runtime.ipcOpenMemHandle(handle))  # flags default to lazy peer access
             except Exception as exc:
-                mine = runtime.deviceGetPCIBusId(device.index)
                 raise BackendUnavailableError(
-                    f"cannot open policy rank 0's CUDA IPC handle on {device} (PCI {mine}; the policy's "
-                    f"buffers are on PCI {description.get('pci_bus_id')}): {exc}. The devices must be "
-                    "the same GPU or peer-capable, and the processes on the same node"
+                    f"cannot open policy rank 0's CUDA IPC handle on {device} (GPU {gpu_uuid(device)}, the "
+                    f"policy's too): {exc}. Are both processes on this node, and may they share memory "
+                    "(same container, or --ipc=host)?"
                 ) from exc
-            try:
-                return cls(cupy, pointer, False, device, bucket_size, num_slots)
-            except BaseException:
-                runtime.ipcCloseMemHandle(pointer)
-                raise
+        memory = _DeviceRange(pointer, size)
+        _free_when_collected(memory, cupy, pointer, False, device)
+        return cls(memory, pointer, device, bucket_size, num_slots)
 
     def view(self, slot: int) -> torch.Tensor:
         return self._views[slot]
@@ -322,18 +399,18 @@ class CudaSlots:
         torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
-        """Free the allocation (policy) or close the mapping (rollout). Idempotent."""
-        if not self._pointer:
-            return
+        """Free the allocation (policy) or close the mapping (rollout), never under a live view.
+        Idempotent.
+
+        The memory goes when the last view of it dies, after the device finished the work
+        queued on it: here, unless a view is still alive. Views caught in reference cycles, such
+        as the frames of a failed refit's traceback, are collected here so the memory goes now.
+        A view still referenced from outside any cycle (a borrowed tensor kept past
+        ``finalize()``, the frames of an exception being handled) keeps the memory until it
+        dies: freed or unmapped under it, reading that view would be an illegal address, which
+        poisons the process's CUDA context. Host slots, in the same case, put fresh pages under
+        the view at once; device memory cannot be replaced so, and stays reserved until then.
+        """
         self._views = []
-        pointer, self._pointer = self._pointer, 0
-        runtime = self._cupy.cuda.runtime
-        with self._cupy.cuda.Device(self.device.index):
-            torch.cuda.synchronize(self.device)
-            if self._owner:
-                runtime.free(pointer)
-            else:
-                try:
-                    runtime.ipcCloseMemHandle(pointer)
-                except Exception:  # noqa: BLE001 - the exporter already freed it (it finalized
-                    pass  # first, or died); the mapping is gone either way
+        if self.mapped:
+            gc.collect()

@@ -98,8 +98,9 @@ class CudaIpcCheckpointEngine(BucketedEngine):
       worker must use the same value.
     * ``device``: ``"cpu"`` (default: shared host memory, runs anywhere), ``"cuda"`` (this
       process's current CUDA device) or ``"cuda:N"``. Every worker must use the same kind; a
-      rollout maps the policy's buffers on its own device, which must be the policy's GPU or a
-      peer-capable one. Rollouts receive tensors on this device.
+      rollout maps the policy's buffers in place, so its device must be the policy's physical
+      GPU (compared by UUID at init: ``EngineOptionError`` naming both GPUs otherwise; the
+      index may differ per process). Rollouts receive tensors on this device.
     * ``timeout_s``: bound on every wait (connecting, each header, each release), default 300.
     * ``checksum``: a digest of each bucket, computed by the policy and verified by every
       rollout: xxh3-64 for host slots, ``ckpt_core._internal.device_checksum`` (computed on the GPU) for

@@ -192,5 +192,9 @@ class IpcReceiver(BucketReceiver):
         if self._closed:
             return
         self._closed = True
-        self.channel.close()
-        self.slots.close()
+        try:
+            # The mapping goes before the channel: the policy frees CUDA slots once every
+            # rollout's channel closed (an exporter must outlive its importers' mappings).
+            self.slots.close()
+        finally:
+            self.channel.close()

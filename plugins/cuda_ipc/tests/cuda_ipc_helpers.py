@@ -7,6 +7,8 @@ put on ``PYTHONPATH`` for worker processes that host :class:`CudaProbeWorker`.
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -79,7 +81,10 @@ def env_with_helpers() -> dict[str, str]:
 
 
 class CudaProbeWorker(RefitWorker):
-    """A ``RefitWorker`` that can also report its CUDA memory."""
+    """A ``RefitWorker`` that can also report its CUDA memory, and keep a borrowed tensor past
+    ``finalize()`` (engines with ``borrow_received_tensors``)."""
+
+    _kept: torch.Tensor | None = None
 
     def cuda_memory(self) -> dict[str, int]:
         torch.cuda.synchronize()
@@ -97,3 +102,44 @@ def every_dtype_on_gpu(params: dict[str, Any], *, refit_index: int, rank: int) -
     for name, tensor in every_dtype(params, refit_index=refit_index, rank=rank):
         # Move bytes, not values: exotic dtypes (bits8, uint3, ...) have no CUDA copy kernels.
         yield name, tensor_bytes(tensor).to("cuda").view(tensor.dtype).reshape(tensor.shape)
+
+    def receive_keeping_a_borrowed_tensor(self) -> dict[str, Any]:
+        """This rollout's side of one refit, keeping the last tensor the engine lent out of its
+        slots (a loader that wrongly holds on to one); how many tensors arrived."""
+        engine = self.engine
+
+        async def receive() -> int:
+            count = 0
+            async for batch in engine.receive_weight_batches():
+                for _, tensor in batch:
+                    count += 1
+                    if engine.lends(tensor):  # type: ignore[attr-defined]  # a BucketedEngine
+                        self._kept = tensor
+            return count
+
+        count = asyncio.run(receive())
+        if self._kept is None:
+            raise AssertionError("no received tensor was a view of the slots: is borrow_received_tensors on?")
+        return {"tensors": count}
+
+    def finalize_then_read_the_kept_tensor(self) -> dict[str, Any]:
+        """``finalize()`` while the kept borrowed tensor is alive, read it, then drop it: what
+        the slots' mapping did at each step, and whether CUDA still works in this process."""
+        assert self._kept is not None
+        slots = self.engine._receiver.slots  # type: ignore[attr-defined]  # the CudaSlots it maps
+        before = int(tensor_bytes(self._kept).sum(dtype=torch.int64))
+        self.engine.finalize()
+        mapped_after_finalize = bool(slots.mapped)
+        after = int(tensor_bytes(self._kept).sum(dtype=torch.int64))  # an illegal address if unmapped
+        torch.cuda.synchronize()
+        self._kept = None
+        gc.collect()
+        mapped_after_drop = bool(slots.mapped)
+        healthy = int(torch.arange(1000, device="cuda").sum())
+        return {
+            "sum_before": before,
+            "sum_after": after,
+            "mapped_after_finalize": mapped_after_finalize,
+            "mapped_after_drop": mapped_after_drop,
+            "healthy": healthy == 999 * 1000 // 2,
+        }
