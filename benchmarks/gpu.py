@@ -10,7 +10,8 @@
   same GPU, a 1 GiB transformer-shaped payload generated on the GPU, per bucket size, end to end
   (the warm-up refit is checked bit-exact), as a ratio to the copy bandwidth.
 
-Prints a Markdown table; ``--json PATH`` also writes every figure. Without CUDA it prints one line
+Prints a Markdown table, and with fewer than two GPUs a line saying what could not be measured
+(NCCL between GPUs); ``--json PATH`` also writes every figure. Without CUDA it prints one line
 and exits 0. Exits 1 when a measurement failed (each failure is in the table).
 """
 
@@ -220,6 +221,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{torch.version.cuda}); medians of {args.reps} after a warm-up"
     )
     print(render(rows, copy_gbps, header))
+    if torch.cuda.device_count() < 2:
+        print(
+            f"Not measured here: NCCL between ranks on two GPUs, so no nccl refit "
+            f"({torch.cuda.device_count()} GPU visible; the one-rank self-test above moves nothing between GPUs)."
+        )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"header": header, "copy_gbps": copy_gbps, "rows": rows}, indent=1) + "\n")
