@@ -7,8 +7,9 @@ how peers meet and how one buffer moves. Subclass :class:`BucketedEngine` and im
 :class:`DistributedEngine` does the meeting too. Plugins import from here, from
 :mod:`ckpt_core.contract` and from :mod:`ckpt_core.errors`, and from nothing else in
 ckpt-core; the modules behind these names are :mod:`.engine`, :mod:`.interfaces`,
-:mod:`.torch_distributed`, :mod:`.options` and :mod:`.capabilities`, plus re-exported
-internals (checksums, wire-format limits, dtype names). Names load on first use, so that the
+:mod:`.torch_distributed` and :mod:`.capabilities`, plus the option checks of
+:mod:`ckpt_core.options` and re-exported internals (checksums, wire-format limits, dtype names,
+the rendezvous' ``DetachableStore``). Names load on first use, so that the
 registry can read :class:`BackendCapabilities` without importing a transport stack.
 See docs/writing-a-transport.md.
 """
