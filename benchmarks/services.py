@@ -8,7 +8,7 @@ the call (all threads), and its
 resident memory: at
 construction (``rss_base_bytes``: interpreter and libraries, before any buffer or weight) and its
 peak during the call (``rss_peak_bytes``; the high-water mark is reset first, see
-:mod:`benchmarks.memory`).
+:mod:`benchmarks.peak_rss`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ckpt_core.hookspecs import hookimpl
 from ckpt_core.orchestration.worker import RefitWorker
 from ckpt_core.orchestration.workload import load_target
 
-from .memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from .peak_rss import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
 NAIVE_FORMATS = ("torch", "safetensors")
 

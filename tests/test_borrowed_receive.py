@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ckpt_core.errors import EngineOptionError
-from ckpt_core.testing.memory import MemoryEngine, connected_pair, run_refit
+from ckpt_core.testing.in_process import InProcessEngine, connected_pair, run_refit
 
 BUCKET = 64 << 10
 
@@ -93,7 +93,7 @@ def test_by_default_received_tensors_own_their_memory_and_stay_valid() -> None:
 @pytest.mark.parametrize("bad", [1, "yes", None])
 def test_the_option_takes_a_bool(bad: object) -> None:
     with pytest.raises(EngineOptionError, match="borrow_received_tensors"):
-        MemoryEngine(bucket_size=BUCKET, borrow_received_tensors=bad)  # type: ignore[arg-type]
+        InProcessEngine(bucket_size=BUCKET, borrow_received_tensors=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

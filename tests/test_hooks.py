@@ -2,7 +2,7 @@
 
 * A hook object registered at run time sees every stage of real refits (both roles).
 * The shared pipeline (``ckpt_core._internal.pipeline`` through ``BucketedEngine``), driven in-process
-  over ``ckpt_core.testing.memory``: multi-bucket bit-exact transfer, per-bucket batches,
+  over ``ckpt_core.testing.in_process``: multi-bucket bit-exact transfer, per-bucket batches,
   statistics, and the failures a receiver and a sender must each see.
 * Hook plugins from the ``ckpt_core.hooks`` entry-point group, from a real installed
   distribution, in a subprocess: a broken one warns by name, a good one observes a refit,
@@ -28,7 +28,7 @@ from ckpt_core.chunking import split_weight_chunks_bounded
 from ckpt_core.errors import IntegrityError, RemoteRefitError, UnsupportedTensorError, WireFormatError
 from ckpt_core.hooks import plugin_manager
 from ckpt_core.stats import RefitContext, RefitStats
-from ckpt_core.testing.memory import MemoryEngine, RefitOutcome, connected_pair, run_refit
+from ckpt_core.testing.in_process import InProcessEngine, RefitOutcome, connected_pair, run_refit
 
 BUCKET = 64
 
@@ -193,8 +193,8 @@ def test_multi_bucket_refit_is_bit_exact_with_one_batch_per_bucket(direct_chunks
 def test_direct_chunks_to_a_receiver_that_cannot_take_them_are_refused(rng: torch.Generator) -> None:
     """A sender moving direct chunks to a receiver without ``direct_chunks`` (a mixed-up
     deployment) fails the refit with a clear error instead of reading the wrong bytes."""
-    policy = MemoryEngine(bucket_size=BUCKET, direct_chunks=True)
-    rollout = MemoryEngine(bucket_size=BUCKET)
+    policy = InProcessEngine(bucket_size=BUCKET, direct_chunks=True)
+    rollout = InProcessEngine(bucket_size=BUCKET)
     metadata = [policy.prepare(), rollout.prepare()]
     policy.init_policy_process_group(worker_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata)
     rollout.init_rollout_process_group(rollout_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata)
@@ -353,7 +353,7 @@ PROBE = """
     plugin_warnings = [str(w.message) for w in caught if issubclass(w.category, HookPluginWarning)]
     loaded = sorted(name for name, plugin in manager.list_name_plugin() if name in ("good", "broken", "misspelled"))
 
-    from ckpt_core.testing.memory import connected_pair, run_refit
+    from ckpt_core.testing.in_process import connected_pair, run_refit
     policy, rollout = connected_pair(64)
     outcome = run_refit(policy, rollout, lambda: iter([("w", torch.ones(40)), ("b", torch.zeros(3))]))
     policy.finalize(); rollout.finalize()

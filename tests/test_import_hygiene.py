@@ -26,7 +26,7 @@ PROBE = """
     names = ckpt_core.backend_names()
     after_names = loaded()
     import ckpt_core.base, ckpt_core.chunking, ckpt_core.contract, ckpt_core.errors, ckpt_core.hooks
-    import ckpt_core.registry, ckpt_core.transport.engine, ckpt_core.transport.interfaces
+    import ckpt_core.registry, ckpt_core.transport.engine, ckpt_core._internal.bucket_io
     import ckpt_core.transport.torch_distributed, ckpt_core._internal.checksum, ckpt_core._internal.dtypes
     import ckpt_core._internal.pipeline, ckpt_core._internal.wire
     after_core_modules = loaded()

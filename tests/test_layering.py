@@ -56,7 +56,16 @@ def test_transports_import_only_the_transport_api(folder: Path) -> None:
 @pytest.mark.parametrize(
     ("layer", "forbidden"),
     [
-        ("_internal", ("ckpt_core.orchestration", "ckpt_core.bench", "ckpt_core.testing", "ckpt_core.automodel")),
+        (
+            "_internal",
+            (
+                "ckpt_core.transport",
+                "ckpt_core.orchestration",
+                "ckpt_core.bench",
+                "ckpt_core.testing",
+                "ckpt_core.automodel",
+            ),
+        ),
         ("transport", ("ckpt_core.orchestration", "ckpt_core.bench", "ckpt_core.testing", "ckpt_core.automodel")),
         ("orchestration", ("ckpt_core.testing", "ckpt_core.bench")),
     ],
@@ -95,7 +104,7 @@ INTEGRATION_API = (
     "ckpt_core.errors",
     "ckpt_core.options",
     "ckpt_core.stats",
-    "ckpt_core.memory",
+    "ckpt_core.host_pool",
     "ckpt_core.layout",
     "ckpt_core.orchestration",
 )

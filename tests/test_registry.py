@@ -344,8 +344,10 @@ def test_module_class_name_targets() -> None:
     )
     assert isinstance(engine, BucketedEngine) and type(engine).__name__ == "GlooCpuCheckpointEngine"
     assert engine.bucket_size == 512
-    engine = create_checkpoint_engine("ckpt_core.testing.memory:MemoryEngine", bucket_size_bytes=64, engine_kwargs={})
-    assert type(engine).__name__ == "MemoryEngine"
+    engine = create_checkpoint_engine(
+        "ckpt_core.testing.in_process:InProcessEngine", bucket_size_bytes=64, engine_kwargs={}
+    )
+    assert type(engine).__name__ == "InProcessEngine"
 
 
 @pytest.mark.parametrize(

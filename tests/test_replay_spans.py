@@ -9,11 +9,11 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from ckpt_core._internal.host_memory import SMALL_COPY_BYTES
+from ckpt_core._internal.host_alloc import SMALL_COPY_BYTES
 from ckpt_core._internal.replay import MIN_GROUP_TENSORS, MIN_SPAN_TENSORS, SPAN_BYTES, ReplaySpan, find_spans
 from ckpt_core.contract import TensorMeta
 from ckpt_core.errors import UnsupportedTensorError
-from ckpt_core.testing.memory import MemoryEngine, connected_pair, run_refit
+from ckpt_core.testing.in_process import InProcessEngine, connected_pair, run_refit
 
 BUCKET = 64 << 10
 Weights = list[tuple[str, torch.Tensor]]
@@ -32,7 +32,7 @@ def layered(seed: int, layers: int = 6) -> Weights:
     return out
 
 
-def refit(policy: MemoryEngine, rollout: MemoryEngine, source: Weights) -> int:
+def refit(policy: InProcessEngine, rollout: InProcessEngine, source: Weights) -> int:
     """One refit of ``source``, checked whole, in order and bit-exact (conjugate and negative
     views arrive resolved); returns how many tensors the sender replayed."""
     outcome = run_refit(policy, rollout, lambda: iter(source))
@@ -46,8 +46,8 @@ def refit(policy: MemoryEngine, rollout: MemoryEngine, source: Weights) -> int:
     return policy.last_stats.replayed_tensors
 
 
-def spans_of(policy: MemoryEngine) -> list[ReplaySpan]:
-    return [span for bucket in policy._layout_record.buckets for span in bucket.spans.values()]
+def spans_of(policy: InProcessEngine) -> list[ReplaySpan]:
+    return [span for bucket in policy._packing_record.buckets for span in bucket.spans.values()]
 
 
 def metas(

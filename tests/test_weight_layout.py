@@ -29,7 +29,7 @@ from ckpt_core.layout import (
     slices,
     whole,
 )
-from ckpt_core.testing.memory import MemoryEngine, run_refit
+from ckpt_core.testing.in_process import InProcessEngine, run_refit
 from ckpt_core.testing.weights import tiny_moe, tiny_moe_layout
 
 BUCKET = 16 << 10
@@ -50,10 +50,10 @@ def same_bits(a: torch.Tensor | None, b: torch.Tensor) -> bool:
     )
 
 
-def connected(layout: dict[str, Any], **options: Any) -> tuple[MemoryEngine, MemoryEngine]:
+def connected(layout: dict[str, Any], **options: Any) -> tuple[InProcessEngine, InProcessEngine]:
     """A policy and a rollout engine whose rollout publishes ``layout`` in its metadata."""
-    policy = MemoryEngine(bucket_size=BUCKET, shard_expert_weights=True, **options)
-    rollout = MemoryEngine(bucket_size=BUCKET, shard_expert_weights=True, **options)
+    policy = InProcessEngine(bucket_size=BUCKET, shard_expert_weights=True, **options)
+    rollout = InProcessEngine(bucket_size=BUCKET, shard_expert_weights=True, **options)
     metadata = [policy.prepare(), {**rollout.prepare(), "weight_layout": layout}]
     policy.init_policy_process_group(worker_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata)
     rollout.init_rollout_process_group(rollout_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata)

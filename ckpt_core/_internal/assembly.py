@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from ckpt_core._internal.dtypes import dtype_name
-from ckpt_core._internal.host_memory import POOLED_MIN_BYTES, empty_host, empty_host_storage
+from ckpt_core._internal.host_alloc import POOLED_MIN_BYTES, empty_host, empty_host_storage
 from ckpt_core.contract import TensorMeta
 from ckpt_core.errors import ChunkStreamError, OutOfMemoryError
 
@@ -124,7 +124,7 @@ SMALL_TENSOR_BYTES = 64 << 10
 """Whole tensors up to this size may be landed as views of a shared storage."""
 
 SHARED_STORAGE_BYTES = 1 << 20
-"""Size of one shared storage (from :func:`~ckpt_core._internal.host_memory.empty_host_storage`)."""
+"""Size of one shared storage (from :func:`~ckpt_core._internal.host_alloc.empty_host_storage`)."""
 
 
 class SmallTensorLander:

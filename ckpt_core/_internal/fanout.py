@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
+from ckpt_core._internal.bucket_io import BucketSender
 from ckpt_core.errors import TransferTimeoutError
 from ckpt_core.hooks import RefitNotifier
 from ckpt_core.stats import RefitContext, RefitStats
-from ckpt_core.transport.interfaces import BucketSender
 
 Select = Callable[[str, torch.Tensor], "torch.Tensor | None"]
 """What one destination keeps of a weight (``None``: nothing)."""

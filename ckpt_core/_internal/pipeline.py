@@ -7,7 +7,7 @@ borrows, opens a new bucket rather than being split over two). A chunk of at lea
 ``direct_min_bytes`` goes *direct* when the transport allows it (``direct_chunks``): it is sent
 from the caller's tensor as a message of its own. Every other chunk is copied into the
 transport's slot buffer, packed at the next offset aligned to its element size (its place in
-the layout, unless direct chunks left room before it). Each bucket is checksummed and posted
+the plan, unless direct chunks left room before it). Each bucket is checksummed and posted
 with its header; packing then continues in the other slot while the first is in flight
 (double buffering). The last bucket carries ``last=True``, so a refit of no tensors is one
 empty bucket.
@@ -18,10 +18,10 @@ bucket ``k`` arrives, bucket ``k - 1`` is verified, its packed chunks are copied
 slot, the slot is released to the sender, and the tensors it completed are yielded (a transport
 whose payloads are readable as soon as their header arrives has each bucket finished at once).
 
-Refits of one run repeat their layout. A sender given a
-:class:`~ckpt_core._internal.replay.LayoutRecord` replays the last refit's buckets while the
+Refits of one run repeat their packing. A sender given a
+:class:`~ckpt_core._internal.replay.PackingRecord` replays the last refit's buckets while the
 weights repeat its tensors (each chunk moved as last time, no chunking or metadata built, the
-encoded chunk list reused), and lays out afresh from the first tensor that differs. A receiver
+encoded chunk list reused), and plans afresh from the first tensor that differs. A receiver
 given a :class:`ReceiveMemo` reuses the checked decoding of a chunk list byte-equal to the one
 it had for that bucket, and the runs it planned for a bucket of small whole tensors.
 
@@ -54,9 +54,10 @@ import torch
 import xxhash
 
 from ckpt_core._internal.assembly import ChunkAssembler, Landing, SmallRun, SmallTensorLander, plan_small_runs
+from ckpt_core._internal.bucket_io import BucketReceiver, BucketSender
 from ckpt_core._internal.checksum import payload_checksum
-from ckpt_core._internal.host_memory import SMALL_COPY_BYTES, host_address, prefault
-from ckpt_core._internal.replay import LayoutRecord, RecordedBucket, held_apart, replays
+from ckpt_core._internal.host_alloc import SMALL_COPY_BYTES, host_address, prefault
+from ckpt_core._internal.replay import PackingRecord, RecordedBucket, held_apart, replays
 from ckpt_core._internal.storage_check import check_still_held
 from ckpt_core._internal.wire import BucketHeader, HeaderMemo, decode_header, encode_chunks, encode_header
 from ckpt_core.chunking import split_weight_chunks_bounded, tensor_bytes
@@ -70,7 +71,6 @@ from ckpt_core.errors import (
 )
 from ckpt_core.hooks import RefitNotifier
 from ckpt_core.stats import RefitContext, RefitStats
-from ckpt_core.transport.interfaces import BucketReceiver, BucketSender
 
 Checksum = Callable[[torch.Tensor], int]
 """A digest of one 1-D ``uint8`` tensor's bytes."""
@@ -142,7 +142,7 @@ async def send_refit(
     timeout_s: float,
     checksum: Checksum | None = payload_checksum,
     direct: bool = True,
-    record: LayoutRecord | None = None,
+    record: PackingRecord | None = None,
 ) -> RefitStats:
     """Send every weight of one refit through ``sender``; returns this sender's statistics.
     ``direct=False`` packs every chunk into the slot buffers even where the transport takes
@@ -193,7 +193,7 @@ _END = object()
 class _BucketPacker:
     """Fills slot buffers in turn and posts each bucket as it closes."""
 
-    def __init__(self, sender: BucketSender, refit: _Refit, *, direct: bool, record: LayoutRecord | None) -> None:
+    def __init__(self, sender: BucketSender, refit: _Refit, *, direct: bool, record: PackingRecord | None) -> None:
         self.sender = sender
         self.refit = refit
         self.stats = refit.stats
@@ -226,10 +226,10 @@ class _BucketPacker:
         self.direct_names: list[str] = []  # per direct chunk: its weight, for messages
         self.direct_digests: list[tuple[int, int]] = []  # per direct chunk: (length, digest)
         self.sources: list[tuple[int, int, torch.Tensor]] = []  # small whole tensors copied: (address, bytes, tensor)
-        self.layout_ends: list[int] = []  # per chunk of the open bucket: the layout's end after it
+        self.plan_ends: list[int] = []  # per chunk of the open bucket: the plan's end after it
         self.repeated: RecordedBucket | None = None  # the recorded bucket the open one repeats whole
         self.replayable = True  # every chunk of the open bucket is from a host tensor
-        self.layout_end = 0  # end of the last chunk in split_weight_chunks' layout of this bucket
+        self.plan_end = 0  # end of the last chunk in split_weight_chunks' plan of this bucket
         self.packed_end = 0  # end of the last chunk packed into the slot
         self.slot = 0
         self.buffer = self._acquire_slot()
@@ -243,25 +243,25 @@ class _BucketPacker:
         return buffer
 
     def opens_bucket(self, meta: TensorMeta) -> bool:
-        """Whether ``meta`` starts a new bucket in the layout (or, for a zero-size chunk the
-        layout cannot tell apart, the open bucket is full of chunks): post the open one first."""
+        """Whether ``meta`` starts a new bucket in the plan (or, for a zero-size chunk the
+        plan cannot tell apart, the open bucket is full of chunks): post the open one first."""
         assert meta.offset is not None
-        return meta.offset < self.layout_end or len(self.chunks) >= MAX_CHUNKS_PER_BUCKET
+        return meta.offset < self.plan_end or len(self.chunks) >= MAX_CHUNKS_PER_BUCKET
 
     def add(self, meta: TensorMeta, chunk: torch.Tensor) -> None:
         """Pack (or queue as direct) one chunk of the open bucket."""
         assert meta.offset is not None
-        self.layout_end = meta.offset + meta.chunk_size
+        self.plan_end = meta.offset + meta.chunk_size
         self.stats.payload_bytes += meta.chunk_size
         self.repeated = None  # the chunk list differs from the replayed one now
         if self.direct_min is not None and meta.chunk_size >= self.direct_min and chunk.device == self.buffer.device:
             self.chunks.append(TensorMeta(meta.name, meta.shape, meta.dtype, meta.chunk_offset, meta.chunk_size, None))
             self._add_direct(meta.name, chunk)
-            self.layout_ends.append(self.layout_end)
+            self.plan_ends.append(self.plan_end)
             self.replayable = self.replayable and chunk.is_cpu
             return
         # Packed chunks close up the room direct chunks left, keeping their alignment; they
-        # never move past their place in the layout, so the slot cannot overflow.
+        # never move past their place in the plan, so the slot cannot overflow.
         itemsize = meta.dtype.itemsize
         align = itemsize if itemsize <= self.refit.bucket_size else 1
         offset = -(-self.packed_end // align) * align
@@ -278,7 +278,7 @@ class _BucketPacker:
             meta = TensorMeta(meta.name, meta.shape, meta.dtype, meta.chunk_offset, meta.chunk_size, offset)
         self.chunks.append(meta)
         self.packed_end = offset + meta.chunk_size
-        self.layout_ends.append(self.layout_end)
+        self.plan_ends.append(self.plan_end)
         if not chunk.is_cpu:
             self.replayable = False
 
@@ -374,12 +374,12 @@ class _BucketPacker:
         self.stats.payload_bytes += sum(meta.chunk_size for meta in chunks)
         packed = [meta.offset + meta.chunk_size for meta in chunks if meta.offset is not None]
         self.packed_end = max(packed, default=0)
-        self.layout_ends = list(bucket.layout_ends[:count])
-        self.layout_end = self.layout_ends[-1] if count else 0
+        self.plan_ends = list(bucket.plan_ends[:count])
+        self.plan_end = self.plan_ends[-1] if count else 0
 
     def open_bucket(self) -> tuple[int, int]:
-        """``(bytes laid out, chunks)`` of the open bucket, where the general layout resumes."""
-        return self.layout_end, len(self.chunks)
+        """``(bytes laid out, chunks)`` of the open bucket, where the general plan resumes."""
+        return self.plan_end, len(self.chunks)
 
     def replayed_names(self) -> set[str]:
         """Names of the tensors sent so far by replay (a later one must not repeat them)."""
@@ -438,9 +438,9 @@ class _BucketPacker:
         self.direct_digests = []
         self.sources = []
         self.repeated = None
-        self.layout_ends = []
+        self.plan_ends = []
         self.replayable = True
-        self.layout_end = self.packed_end = 0
+        self.plan_end = self.packed_end = 0
         if not last:
             self.buffer = self._acquire_slot()
             await asyncio.sleep(0)  # let the caller's event loop breathe between buckets
@@ -459,7 +459,7 @@ class _BucketPacker:
         if repeated is None or repeated.spans_safe != spans_safe:
             small = SMALL_COPY_BYTES if spans_safe else None
             repeated = RecordedBucket(
-                chunks, self.layout_ends, self.replayable, encoded, small_bytes=small, spans_safe=spans_safe
+                chunks, self.plan_ends, self.replayable, encoded, small_bytes=small, spans_safe=spans_safe
             )
         self.record.add(repeated)
 

@@ -1,9 +1,9 @@
-"""The sender's record of a refit's layout, so the next refit of the same weights replays it.
+"""The sender's record of a refit's packing, so the next refit of the same weights replays it.
 
 Refits of one training run repeat the same names, shapes and dtypes in the same order, so
-their bucket layouts are equal. What the pipeline works out per tensor (its chunks and their
+their buckets are packed alike. What the pipeline works out per tensor (its chunks and their
 metadata, its place in a bucket, the header's chunk list) is then what it was last time:
-:class:`LayoutRecord` keeps it, bucket by bucket, and the next refit moves each chunk of a
+:class:`PackingRecord` keeps it, bucket by bucket, and the next refit moves each chunk of a
 tensor that matches its recorded entry exactly as it moved last time (the same offset, packed
 or direct), with no chunking, no metadata built and no placement.
 
@@ -57,19 +57,19 @@ MIN_GROUP_TENSORS = 4
 
 
 class RecordedBucket:
-    """One bucket of a recorded refit: its chunks, where the layout ended after each of them,
+    """One bucket of a recorded refit: its chunks, where the chunk plan ended after each of them,
     whether the next refit may replay it (every chunk came from a host tensor), its encoded
     chunk list, and its spans of small tensors (:class:`ReplaySpan`, by the index of their
     first chunk; none unless ``small_bytes`` is given, the most a span's tensor may hold).
     ``spans_safe``: whether the refit that sent it found spans safe for its generator (see
     the module docstring); spans are found only then."""
 
-    __slots__ = ("chunks", "layout_ends", "replayable", "encoded", "spans", "spans_safe")
+    __slots__ = ("chunks", "plan_ends", "replayable", "encoded", "spans", "spans_safe")
 
     def __init__(
         self,
         chunks: Sequence[TensorMeta],
-        layout_ends: Sequence[int],
+        plan_ends: Sequence[int],
         replayable: bool,
         encoded: bytes,
         *,
@@ -77,7 +77,7 @@ class RecordedBucket:
         spans_safe: bool = True,
     ) -> None:
         self.chunks = tuple(chunks)
-        self.layout_ends = tuple(layout_ends)
+        self.plan_ends = tuple(plan_ends)
         self.replayable = replayable
         self.encoded = encoded
         """The chunk list as the header carried it (:func:`~ckpt_core._internal.wire.encode_chunks`)."""
@@ -87,7 +87,7 @@ class RecordedBucket:
         self.spans = find_spans(self.chunks, small_bytes) if found and small_bytes is not None else {}
 
 
-class LayoutRecord:
+class PackingRecord:
     """The buckets one sender posted in its last complete refit, under the settings that
     shaped them (a record made under other settings is never replayed)."""
 
@@ -218,7 +218,7 @@ class ReplaySpan:
             if address + nbytes > following:
                 raise UnsupportedTensorError(
                     f"weights {self.names[first]!r} and {self.names[second]!r} share memory, which the first "
-                    "refit of this layout did not show: the earlier one's bytes may already be the later one's. "
+                    "refit of these weights did not show: the earlier one's bytes may already be the later one's. "
                     "A generator that refills one buffer must do so in every refit, or yield copies; this "
                     "refit is void, and the next one lays its weights out afresh"
                 )

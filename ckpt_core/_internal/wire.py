@@ -45,7 +45,7 @@ class BucketHeader:
 
     ``payload_nbytes`` bytes of the bucket buffer carry packed data; a chunk's ``offset``
     places it inside them, or is ``None`` for a direct chunk, which travels as a message of its
-    own after the packed payload (see :mod:`ckpt_core.transport.interfaces`). ``last`` marks the
+    own after the packed payload (see :mod:`ckpt_core._internal.bucket_io`). ``last`` marks the
     refit's final bucket. ``checksum`` is the digest of the packed
     payload and the direct chunks (see ``ckpt_core._internal.pipeline.bucket_digest``), or ``None`` when
     the sender has checksums off. ``abort`` carries the sender's error message

@@ -6,6 +6,13 @@ command when it is missing. Format detection and the safetensors streaming helpe
 work without it. See docs/automodel.md.
 """
 
+from ckpt_core.automodel.checkpoint_files import (
+    _infer_checkpoint_root,
+    detect_checkpoint_format,
+    iter_saved_tensors,
+    read_checkpoint_keys,
+    saved_safetensors_files,
+)
 from ckpt_core.automodel.config import MODEL_SAVE_FORMATS, CheckpointingConfig, ModelSaveFormat
 from ckpt_core.automodel.errors import (
     AutomodelCheckpointError,
@@ -15,13 +22,6 @@ from ckpt_core.automodel.errors import (
     CheckpointNotFoundError,
     EmptyCheckpointDirectoryError,
     UnrecognizedCheckpointFormatError,
-)
-from ckpt_core.automodel.layout import (
-    _infer_checkpoint_root,
-    detect_checkpoint_format,
-    iter_saved_tensors,
-    read_checkpoint_keys,
-    saved_safetensors_files,
 )
 from ckpt_core.automodel.manager import AutomodelCheckpointManager
 

@@ -21,6 +21,16 @@ import torch.distributed as dist
 from torch import nn
 
 from ckpt_core.automodel._nemo import nemo_checkpoint_modules
+from ckpt_core.automodel.checkpoint_files import (
+    ADAPTER_WEIGHTS_FILE,
+    DCP_METADATA_FILE,
+    OPTIMIZER_SUBDIR,
+    _infer_checkpoint_root,
+    detect_checkpoint_format,
+    model_dir_for_load,
+    model_dir_for_save,
+    read_checkpoint_keys,
+)
 from ckpt_core.automodel.config import MODEL_SAVE_FORMATS, CheckpointingConfig
 from ckpt_core.automodel.errors import (
     CheckpointerNotInitializedError,
@@ -32,16 +42,6 @@ from ckpt_core.automodel.keys import (
     expected_checkpoint_keys,
     model_state_dict_keys,
     validate_checkpoint_keys,
-)
-from ckpt_core.automodel.layout import (
-    ADAPTER_WEIGHTS_FILE,
-    DCP_METADATA_FILE,
-    OPTIMIZER_SUBDIR,
-    _infer_checkpoint_root,
-    detect_checkpoint_format,
-    model_dir_for_load,
-    model_dir_for_save,
-    read_checkpoint_keys,
 )
 
 if TYPE_CHECKING:

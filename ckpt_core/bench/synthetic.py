@@ -85,7 +85,7 @@ def safetensors_files(path: str | Path) -> list[Path]:
     DCP checkpoint, shards that split tensors) are those of
     :func:`ckpt_core.automodel.saved_safetensors_files`.
     """
-    from ckpt_core.automodel.layout import saved_safetensors_files
+    from ckpt_core.automodel.checkpoint_files import saved_safetensors_files
 
     root = Path(path)
     if root.is_file():

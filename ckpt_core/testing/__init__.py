@@ -9,7 +9,7 @@ A transport's test suite inherits :class:`TransportConformance` and names its ba
 
 The kit's fixtures are defined on that class (all named ``conformance_*``); the pytest plugin
 :mod:`ckpt_core.testing.plugin` (loaded automatically when ckpt-core is installed) only
-registers the ``ckpt_conformance`` marker. :mod:`ckpt_core.testing.memory` is an in-process
+registers the ``ckpt_conformance`` marker. :mod:`ckpt_core.testing.in_process` is an in-process
 transport: the smallest complete one, and a way to test code that drives an engine. The names
 below are imported on first use, so that worker processes importing
 :mod:`ckpt_core.testing.weights` do not import pytest.

@@ -286,7 +286,7 @@ class TransportConformance:
                 )
             previous = received
 
-    def test_refits_that_repeat_or_change_their_layout_are_bit_exact(self, refit_cluster: ConformanceCluster) -> None:
+    def test_refits_that_repeat_or_change_their_packing_are_bit_exact(self, refit_cluster: ConformanceCluster) -> None:
         """Refits of the same tensors (which the shared pipeline replays), then ones that add
         tensors, drop them and change their shapes midway: each verified tensor by tensor."""
         for count, nbytes, seed in (
@@ -350,7 +350,7 @@ class TransportConformance:
         b = conformance_settings.bucket_size
         with cluster:
             cluster.ensure_ready()
-            for seed in (20, 21):  # the second refit replays the first's layout
+            for seed in (20, 21):  # the second refit replays the first's packing
                 report = cluster.refit("tiny", {"count": 600, "nbytes": 24, "seed": seed})
                 assert report.rollout[0]["tensors"] == 600
                 cluster.refit("sized", {"sizes": [b // 3, 2 * b + 4, 40, b // 2], "seed": seed})

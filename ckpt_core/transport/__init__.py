@@ -6,10 +6,10 @@ how peers meet and how one buffer moves. Subclass :class:`BucketedEngine` and im
 (packing, headers, checksums, deadlines, reassembly); over ``torch.distributed`` groups,
 :class:`DistributedEngine` does the meeting too. Plugins import from here, from
 :mod:`ckpt_core.contract` and from :mod:`ckpt_core.errors`, and from nothing else in
-ckpt-core; the modules behind these names are :mod:`.engine`, :mod:`.interfaces`,
-:mod:`.torch_distributed` and :mod:`.capabilities`, plus the option checks of
-:mod:`ckpt_core.options` and re-exported internals (checksums, wire-format limits, dtype names,
-the rendezvous' ``DetachableStore``). Names load on first use, so that the
+ckpt-core; the modules behind these names are :mod:`.engine`, :mod:`.torch_distributed` and
+:mod:`.capabilities`, plus the option checks of :mod:`ckpt_core.options` and re-exported
+internals (the two bucket interfaces, which the pipeline below this package drives; checksums,
+wire-format limits, dtype names, the rendezvous' ``DetachableStore``). Names load on first use, so that the
 registry can read :class:`BackendCapabilities` without importing a transport stack.
 See docs/writing-a-transport.md.
 """
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "BackendCapabilities": "ckpt_core.transport.capabilities",
-    "BucketReceiver": "ckpt_core.transport.interfaces",
-    "BucketSender": "ckpt_core.transport.interfaces",
+    "BucketReceiver": "ckpt_core._internal.bucket_io",
+    "BucketSender": "ckpt_core._internal.bucket_io",
     "BucketedEngine": "ckpt_core.transport.engine",
     "Checksum": "ckpt_core._internal.pipeline",
     "DetachableStore": "ckpt_core._internal.store",
@@ -48,6 +48,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
+    from ckpt_core._internal.bucket_io import BucketReceiver, BucketSender
     from ckpt_core._internal.checksum import payload_checksum
     from ckpt_core._internal.device_checksum import device_payload_checksum
     from ckpt_core._internal.dtypes import dtype_from_name, dtype_name
@@ -57,7 +58,6 @@ if TYPE_CHECKING:
     from ckpt_core.options import MAX_TIMEOUT_S, check_bool, check_choice, check_positive_number
     from ckpt_core.transport.capabilities import BackendCapabilities
     from ckpt_core.transport.engine import BucketedEngine
-    from ckpt_core.transport.interfaces import BucketReceiver, BucketSender
     from ckpt_core.transport.torch_distributed import (
         HEADER_FRAME_BYTES,
         TOPOLOGIES,

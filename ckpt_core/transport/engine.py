@@ -3,9 +3,9 @@
 A transport subclasses it and answers only how peers meet and how one buffer moves:
 
 * ``_prepare_transport()`` -> extra JSON-compatible metadata for this worker (its address...);
-* ``_connect_policy(...)`` -> a :class:`~ckpt_core.transport.interfaces.BucketSender`, or ``None`` for a
+* ``_connect_policy(...)`` -> a :class:`~ckpt_core._internal.bucket_io.BucketSender`, or ``None`` for a
   policy rank that has no receiver in the chosen topology (it drains its weights);
-* ``_connect_rollout(...)`` -> a :class:`~ckpt_core.transport.interfaces.BucketReceiver`;
+* ``_connect_rollout(...)`` -> a :class:`~ckpt_core._internal.bucket_io.BucketReceiver`;
 * ``_release_transport()`` -> free what the three above acquired.
 
 This class owns the rest: option and metadata validation, the lifecycle state machine (clear
@@ -27,12 +27,13 @@ from typing import Any, ClassVar
 import torch
 
 from ckpt_core._internal.agreement import AGREED_KEY, check_metadata_agreement
+from ckpt_core._internal.bucket_io import BucketReceiver, BucketSender
 from ckpt_core._internal.checksum import payload_checksum
 from ckpt_core._internal.fanout import Destination, send_refit_each
-from ckpt_core._internal.host_memory import release_host_pool
+from ckpt_core._internal.host_alloc import release_host_pool
 from ckpt_core._internal.json_data import json_data_problem
 from ckpt_core._internal.pipeline import Checksum, ReceiveMemo, receive_refit, send_refit
-from ckpt_core._internal.replay import LayoutRecord
+from ckpt_core._internal.replay import PackingRecord
 from ckpt_core._internal.wire import FORMAT_VERSION
 from ckpt_core.contract import CheckpointEngine
 from ckpt_core.errors import (
@@ -47,7 +48,6 @@ from ckpt_core.layout import LayoutSelector, WeightLayout, check_layouts, is_ckp
 from ckpt_core.options import MAX_TIMEOUT_S, check_bool, check_positive_number
 from ckpt_core.registry import check_engine_kwargs
 from ckpt_core.stats import RefitStats, Role
-from ckpt_core.transport.interfaces import BucketReceiver, BucketSender
 
 BORROWS_KEY = "borrows_received_tensors"
 """In a rollout's ``prepare()`` metadata when it borrows: its senders then pack every chunk into
@@ -178,7 +178,7 @@ class BucketedEngine(CheckpointEngine):
         # across finalize() (NeMo RL finalizes after every refit with release_after_refit):
         # a record is replayed only under the settings it was made with, and a receiver reuses
         # a decoding only for a byte-equal chunk list.
-        self._layout_record = LayoutRecord()
+        self._packing_record = PackingRecord()
         self._receive_memo = ReceiveMemo()
         self._rank = -1
         self._refit_index = 0
@@ -480,7 +480,7 @@ class BucketedEngine(CheckpointEngine):
                         context=context,
                         notifier=notifier,
                         timeout_s=self.timeout_s,
-                        record=self._layout_record,
+                        record=self._packing_record,
                         **options,
                     )
             except BaseException as exc:

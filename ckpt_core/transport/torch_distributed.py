@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from ckpt_core._internal.agreement import agree_as_member, agree_as_policy
 from ckpt_core._internal.auth import answer_challenge, host_challenge, resolve_token, verify_members
+from ckpt_core._internal.bucket_io import BucketReceiver, BucketSender, bucket_buffers
 from ckpt_core._internal.fence import ListenerFence, gloo_device, lazy_init
 from ckpt_core._internal.node_address import AUTO, HOST_ENV, node_address
 from ckpt_core._internal.store import DetachableStore, join_store
@@ -58,7 +59,6 @@ from ckpt_core._internal.wire import MAX_HEADER_BYTES
 from ckpt_core.errors import EngineOptionError, LifecycleError, PeerLostError, TransferTimeoutError, WireFormatError
 from ckpt_core.options import check_choice
 from ckpt_core.transport.engine import BucketedEngine
-from ckpt_core.transport.interfaces import BucketReceiver, BucketSender, bucket_buffers
 
 TOPOLOGIES = ("broadcast", "paired", "fanout")
 _FRAME_TAG, _HEADER_REST_TAG, _PAYLOAD_TAG = 1, 2, 3

@@ -20,7 +20,7 @@ from ckpt_core import (
     merge_weight_chunk_batches,
     split_weight_chunks,
 )
-from ckpt_core._internal.host_memory import empty_host, pooled_bytes, release_host_pool
+from ckpt_core._internal.host_alloc import empty_host, pooled_bytes, release_host_pool
 from ckpt_core.errors import EngineOptionError, InvalidArgumentError, LayoutUnavailableError, UnknownBackendError
 from ckpt_core.orchestration.workload import digests
 from ckpt_core.registry import check_engine_kwargs, resolve_backend

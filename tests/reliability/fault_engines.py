@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ckpt_core._internal.wire import decode_header
-from ckpt_core.transport.interfaces import BucketReceiver
+from ckpt_core.transport import BucketReceiver
 from ckpt_gloo_cpu.engine import GlooCpuCheckpointEngine
 
 

@@ -259,7 +259,7 @@ ROUND3_CASES: list[Case] = [
         "a generator whose tensors share one buffer in a repeated refit, not in the first",
         refit_outcome(fresh_then_refilled, refits=2),
         (UnsupportedTensorError,),
-        r"weights 'w\d+' and 'w\d+' share memory, which the first refit of this layout did not show",
+        r"weights 'w\d+' and 'w\d+' share memory, which the first refit of these weights did not show",
     ),
 ]
 

@@ -4,7 +4,7 @@ served bit-exact or refused with a typed error, and the faults whose errors were
 Single errors are rows of the bad-input table (``rel_round3_inputs``); these tests need more
 than one refit, other processes, or a look at what a stranger can do:
 
-* the weights generator's contract: a refit that repeats the last one's layout (a replay) reads
+* the weights generator's contract: a refit that repeats the last one's packing (a replay) reads
   every weight no later than the first refit did, so the two accept the same generators;
 * a killed rollout in the ``paired`` and ``fanout`` topologies is a ``PeerLostError`` on the
   policy, as it was only in ``broadcast``;
@@ -88,7 +88,7 @@ def test_small_tensors_are_replayed_in_spans_only_where_the_first_refit_allows()
             sent, received = pair.refit(GENERATORS[generator])
             sent.get()
             received.get()
-            record = pair.policy._layout_record  # type: ignore[attr-defined]  # the sender's record
+            record = pair.policy._packing_record  # type: ignore[attr-defined]  # the sender's record
             spans[generator] = sum(len(bucket.spans) for bucket in record.buckets)
         finally:
             pair.finalize()

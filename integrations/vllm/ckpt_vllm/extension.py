@@ -33,14 +33,14 @@ import torch
 
 from ckpt_core.contract import CheckpointEngine
 from ckpt_core.errors import LifecycleError
+from ckpt_core.host_pool import limit_host_pool
 from ckpt_core.layout import WeightLayout
-from ckpt_core.memory import limit_host_pool
 from ckpt_core.orchestration.protocol import error_reply
 from ckpt_core.orchestration.workload import tensor_digest
 from ckpt_core.registry import create_checkpoint_engine, resolve_backend
 from ckpt_vllm.layout import checkpoint_parameter_bytes, derive_weight_layout, full_weight
 from ckpt_vllm.loading import load_streamed_weights, own_pending_weights
-from ckpt_vllm.memory import (
+from ckpt_vllm.rss import (
     GROWTH_ALLOWANCE_BYTES,
     HeapGuard,
     peak_rss_bytes,
@@ -148,7 +148,7 @@ class CkptEngineWorkerExtension:
         is ``rank_offset`` + this worker's rank. ``verify`` adds a digest of every received
         tensor to refit reports (for a coordinator that checks them against the sender's).
         ``host_pool_bytes`` limits ckpt-core's pool of freed received-tensor memory in this
-        worker (``ckpt_core.memory.limit_host_pool``). A backend that has the option
+        worker (``ckpt_core.host_pool.limit_host_pool``). A backend that has the option
         ``borrow_received_tensors`` gets it on unless ``engine_kwargs`` says otherwise: batches
         then go into vLLM as views of the transport's buffers, and only the weights vLLM keeps
         past a batch (those of a layer not complete yet) are copied."""

@@ -114,7 +114,7 @@ class CudaIpcCheckpointEngine(BucketedEngine):
       is sent a stream of its own: with destination layouts, only its parts; the policy then
       holds two slots per rollout rank).
     * ``release_after_refit``, ``shard_expert_weights``: NeMo RL's, see
-      :class:`ckpt_core.transport.interfaces.engine.BucketedEngine`. The slot buffers are shared with the peers of
+      :class:`ckpt_core.transport.engine.BucketedEngine`. The slot buffers are shared with the peers of
       one ``init``, so ``finalize()`` always unmaps them; ``release_after_refit`` also empties
       torch's CUDA cache on a CUDA device.
     """

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ckpt_core._internal.host_memory import copy_into
+from ckpt_core._internal.host_alloc import copy_into
 from ckpt_core.errors import OutOfMemoryError
 
 

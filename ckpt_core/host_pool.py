@@ -12,7 +12,7 @@ back after each refit, or turn the pool off; ``finalize()`` of an engine built w
 
 from __future__ import annotations
 
-from ckpt_core._internal.host_memory import pooled_bytes, release_host_pool, set_host_pool_limit
+from ckpt_core._internal.host_alloc import pooled_bytes, release_host_pool, set_host_pool_limit
 from ckpt_core.errors import InvalidArgumentError
 
 

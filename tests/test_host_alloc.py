@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from ckpt_core._internal import host_memory
-from ckpt_core._internal.host_memory import (
+from ckpt_core._internal import host_alloc
+from ckpt_core._internal.host_alloc import (
     HUGE_PAGE_THRESHOLD,
     empty_host,
     empty_host_storage,
@@ -90,7 +90,7 @@ def test_memory_stays_with_a_tensor_while_any_view_of_it_lives() -> None:
 
 def test_the_pool_keeps_no_more_than_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     release_host_pool()
-    monkeypatch.setattr(host_memory._POOL, "limit", 3 * HUGE_PAGE_THRESHOLD)
+    monkeypatch.setattr(host_alloc._POOL, "limit", 3 * HUGE_PAGE_THRESHOLD)
     tensors = [empty_host(torch.Size([HUGE_PAGE_THRESHOLD]), torch.uint8) for _ in range(5)]
     del tensors
     assert pooled_bytes() == 3 * HUGE_PAGE_THRESHOLD
@@ -99,7 +99,7 @@ def test_the_pool_keeps_no_more_than_its_limit(monkeypatch: pytest.MonkeyPatch) 
 
 @pytest.mark.parametrize("release", [True, False], ids=["release_after_refit", "kept"])
 def test_finalize_returns_pooled_memory_if_asked(release: bool) -> None:
-    from ckpt_core.testing.memory import connected_pair, run_refit
+    from ckpt_core.testing.in_process import connected_pair, run_refit
 
     release_host_pool()
     weights = [("big", torch.randn(HUGE_PAGE_THRESHOLD // 2))]
@@ -118,7 +118,7 @@ def test_a_full_pool_keeps_the_most_recently_freed_blocks(monkeypatch: pytest.Mo
     """A workload that changed tensor sizes must not leave the old sizes' memory pooled."""
     release_host_pool()
     size_a, size_b = 2 * HUGE_PAGE_THRESHOLD, 3 * HUGE_PAGE_THRESHOLD
-    monkeypatch.setattr(host_memory._POOL, "limit", 2 * size_b)
+    monkeypatch.setattr(host_alloc._POOL, "limit", 2 * size_b)
     old = [empty_host(torch.Size([size_a]), torch.uint8) for _ in range(2)]
     del old
     assert pooled_bytes() == 2 * size_a
@@ -159,10 +159,10 @@ def test_host_address_only_for_buffers_a_memmove_may_fill() -> None:
 
 def test_the_public_pool_limit_evicts_at_once_and_zero_keeps_nothing() -> None:
     from ckpt_core.errors import InvalidArgumentError
-    from ckpt_core.memory import limit_host_pool, pooled_host_bytes, release_host_memory
+    from ckpt_core.host_pool import limit_host_pool, pooled_host_bytes, release_host_memory
 
     release_host_memory()
-    before = host_memory._POOL.limit
+    before = host_alloc._POOL.limit
     try:
         del_me = [empty_host(torch.Size([2 << 20]), torch.uint8) for _ in range(3)]
         del del_me
@@ -184,7 +184,7 @@ def test_the_public_pool_limit_evicts_at_once_and_zero_keeps_nothing() -> None:
 
 def test_host_bucket_buffers_are_resident_from_the_start() -> None:
     """Touched at allocation: a worker's RSS shows them before its first refit."""
-    from ckpt_core.transport.interfaces import bucket_buffers
+    from ckpt_core._internal.bucket_io import bucket_buffers
 
     def rss() -> int:
         with open("/proc/self/status") as status:

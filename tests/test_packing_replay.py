@@ -1,6 +1,6 @@
-"""Refits that repeat the last one's names, shapes and dtypes replay its layout on the sender
+"""Refits that repeat the last one's names, shapes and dtypes replay its packing on the sender
 and reuse its checked headers on the receiver; a refit that differs anywhere is still
-received whole, in order and bit-exact, and the next one replays the new layout."""
+received whole, in order and bit-exact, and the next one replays the new packing."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from ckpt_core._internal.wire import BucketHeader, HeaderMemo, decode_header, encode_header
 from ckpt_core.contract import TensorMeta
 from ckpt_core.errors import UnsupportedTensorError, WireFormatError
-from ckpt_core.testing.memory import MemoryEngine, connected_pair, run_refit
+from ckpt_core.testing.in_process import InProcessEngine, connected_pair, run_refit
 
 BUCKET = 16 << 10
 Weights = list[tuple[str, torch.Tensor]]
@@ -41,7 +41,7 @@ def small_weights(seed: int, count: int = 90) -> Weights:
     return out
 
 
-def refit(policy: MemoryEngine, rollout: MemoryEngine, source: Weights) -> int:
+def refit(policy: InProcessEngine, rollout: InProcessEngine, source: Weights) -> int:
     """One refit of ``source``, checked whole, in order and bit-exact; returns how many
     tensors the sender replayed."""
     outcome = run_refit(policy, rollout, lambda: iter(source))
@@ -131,11 +131,11 @@ def test_a_refit_that_differs_is_laid_out_afresh_from_there_and_then_replayed(ch
     refit(policy, rollout, base)
     # Every tensor before the first that differs is replayed, none from it on.
     assert refit(policy, rollout, changed) == first_difference(base, changed)
-    refit(policy, rollout, CHANGES[change](small_weights(3), k))  # the changed layout, again
+    refit(policy, rollout, CHANGES[change](small_weights(3), k))  # the changed packing, again
     refit(policy, rollout, small_weights(4))  # and back
 
 
-def test_the_changed_layout_is_what_the_next_refit_replays() -> None:
+def test_the_changed_packing_is_what_the_next_refit_replays() -> None:
     policy, rollout = connected_pair(BUCKET)
     refit(policy, rollout, small_weights(1))
     changed = _inserted(small_weights(2), 37)
@@ -174,7 +174,7 @@ def test_a_repeated_chunk_list_is_still_bounded_by_its_headers_payload() -> None
         decode_header(encode_header(_header(48, [0, 16, 32, 48])), bucket_size=BUCKET, memo=memo)
 
 
-def copied_on_arrival(policy: MemoryEngine, rollout: MemoryEngine, source: Weights) -> Weights:
+def copied_on_arrival(policy: InProcessEngine, rollout: InProcessEngine, source: Weights) -> Weights:
     """One refit whose batches are cloned as they arrive (borrowed tensors are valid only
     until the next batch is asked for)."""
     sender = threading.Thread(target=lambda: asyncio.run(policy.send_weights(iter(source))))  # type: ignore[arg-type]
@@ -230,7 +230,7 @@ def test_a_record_made_under_other_settings_is_not_replayed() -> None:
     policy, owning = connected_pair(bucket)
     refit(policy, owning, weights(1))
     policy.finalize()
-    borrowing = MemoryEngine(bucket_size=bucket, borrow_received_tensors=True)
+    borrowing = InProcessEngine(bucket_size=bucket, borrow_received_tensors=True)
     metadata = [policy.prepare(), borrowing.prepare()]
     policy.init_policy_process_group(worker_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata)
     borrowing.init_rollout_process_group(rollout_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata)

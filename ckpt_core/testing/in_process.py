@@ -11,11 +11,11 @@ until the receiver has released it. A pipeline that read a slot after releasing 
 one still in use, would corrupt tensors, which the tests' bit-exact checks would catch.
 
 Every wait has a deadline (``TransferTimeoutError``); closing either side wakes the other
-with ``PeerLostError``. ``MemoryLink.corrupt`` flips payload bytes as they "arrive", to test
+with ``PeerLostError``. ``InProcessLink.corrupt`` flips payload bytes as they "arrive", to test
 integrity checks.
 
-``MemoryEngine`` wraps it as a ``BucketedEngine`` (one policy rank, one rollout rank, one
-process), named ``"ckpt_core.testing.memory:MemoryEngine"`` wherever a backend is;
+``InProcessEngine`` wraps it as a ``BucketedEngine`` (one policy rank, one rollout rank, one
+process), named ``"ckpt_core.testing.in_process:InProcessEngine"`` wherever a backend is;
 :func:`connected_pair` and :func:`run_refit` run a refit through it.
 """
 
@@ -30,12 +30,12 @@ from typing import Any, ClassVar
 import torch
 
 from ckpt_core.errors import PeerLostError, TransferTimeoutError
+from ckpt_core.transport import BucketReceiver, BucketSender
 from ckpt_core.transport.capabilities import BackendCapabilities
 from ckpt_core.transport.engine import BucketedEngine
-from ckpt_core.transport.interfaces import BucketReceiver, BucketSender
 
 
-class MemoryLink:
+class InProcessLink:
     """What one sender and its receiver share."""
 
     def __init__(self, bucket_size: int, num_slots: int = 2) -> None:
@@ -90,12 +90,12 @@ class MemoryLink:
         self._headers.put(None)
 
 
-class MemorySender(BucketSender):
+class InProcessSender(BucketSender):
     """``direct_chunks=True`` lets the pipeline hand over large chunks instead of packing
     them; the receiver then copies each from the sender's tensor into its destination, as if
     it had been sent from where it is."""
 
-    def __init__(self, link: MemoryLink, *, direct_chunks: bool = False) -> None:
+    def __init__(self, link: InProcessLink, *, direct_chunks: bool = False) -> None:
         self.link = link
         self.num_slots = len(link.buffers)
         self.direct_chunks = direct_chunks
@@ -124,8 +124,8 @@ class MemorySender(BucketSender):
         self.link.close("sender")
 
 
-class MemoryReceiver(BucketReceiver):
-    def __init__(self, link: MemoryLink, *, direct_chunks: bool = False) -> None:
+class InProcessReceiver(BucketReceiver):
+    def __init__(self, link: InProcessLink, *, direct_chunks: bool = False) -> None:
         self.link = link
         self.num_slots = len(link.buffers)
         self.direct_chunks = direct_chunks
@@ -169,12 +169,12 @@ class MemoryReceiver(BucketReceiver):
         self.link.close("receiver")
 
 
-_LINKS: dict[str, MemoryLink] = {}
+_LINKS: dict[str, InProcessLink] = {}
 _LINKS_LOCK = threading.Lock()
 
 
-class MemoryEngine(BucketedEngine):
-    """A ``BucketedEngine`` over :class:`MemoryLink`: one policy and one rollout rank, one process."""
+class InProcessEngine(BucketedEngine):
+    """A ``BucketedEngine`` over :class:`InProcessLink`: one policy and one rollout rank, one process."""
 
     backend_name: ClassVar[str] = "memory"
     capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
@@ -201,29 +201,29 @@ class MemoryEngine(BucketedEngine):
             borrow_received_tensors=borrow_received_tensors,
         )
         self.direct_chunks = direct_chunks
-        self.link: MemoryLink | None = None
-        self.sender: MemorySender | None = None
+        self.link: InProcessLink | None = None
+        self.sender: InProcessSender | None = None
         self._key = ""
 
-    def _join(self, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]) -> MemoryLink:
+    def _join(self, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]) -> InProcessLink:
         if (train_world_size, rollout_world_size) != (1, 1):
-            raise ValueError("MemoryEngine connects exactly one policy rank to one rollout rank")
+            raise ValueError("InProcessEngine connects exactly one policy rank to one rollout rank")
         self._key = metadata[0]["engine_id"]
         with _LINKS_LOCK:
-            self.link = _LINKS.setdefault(self._key, MemoryLink(self.bucket_size))
+            self.link = _LINKS.setdefault(self._key, InProcessLink(self.bucket_size))
         return self.link
 
     def _connect_policy(
         self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
     ) -> BucketSender:
         link = self._join(train_world_size, rollout_world_size, metadata)
-        self.sender = MemorySender(link, direct_chunks=self.direct_chunks)
+        self.sender = InProcessSender(link, direct_chunks=self.direct_chunks)
         return self.sender
 
     def _connect_rollout(
         self, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
     ) -> BucketReceiver:
-        return MemoryReceiver(
+        return InProcessReceiver(
             self._join(train_world_size, rollout_world_size, metadata), direct_chunks=self.direct_chunks
         )
 
@@ -232,10 +232,10 @@ class MemoryEngine(BucketedEngine):
             _LINKS.pop(self._key, None)
 
 
-def connected_pair(bucket_size: int, **options: Any) -> tuple[MemoryEngine, MemoryEngine]:
+def connected_pair(bucket_size: int, **options: Any) -> tuple[InProcessEngine, InProcessEngine]:
     """A policy engine and a rollout engine, through ``prepare`` and ``init_*`` as the seed says."""
-    policy = MemoryEngine(bucket_size=bucket_size, **options)
-    rollout = MemoryEngine(bucket_size=bucket_size, **options)
+    policy = InProcessEngine(bucket_size=bucket_size, **options)
+    rollout = InProcessEngine(bucket_size=bucket_size, **options)
     metadata = [policy.prepare(), rollout.prepare()]
     policy.init_policy_process_group(worker_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata)
     rollout.init_rollout_process_group(rollout_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata)
@@ -256,8 +256,8 @@ class RefitOutcome:
 
 
 def run_refit(
-    policy: MemoryEngine,
-    rollout: MemoryEngine,
+    policy: InProcessEngine,
+    rollout: InProcessEngine,
     weights: Callable[[], Iterator[tuple[str, torch.Tensor]]],
     *,
     deadline_s: float = 60.0,
