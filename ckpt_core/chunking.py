@@ -27,6 +27,7 @@ from ckpt_core._internal.assembly import ChunkAssembler
 from ckpt_core._internal.dtypes import check_transferable
 from ckpt_core.contract import TensorMeta
 from ckpt_core.errors import UnsupportedTensorError
+from ckpt_core.options import check_bucket_size
 
 __all__ = ["merge_weight_chunk_batches", "split_weight_chunks", "split_weight_chunks_bounded", "tensor_bytes"]
 
@@ -61,10 +62,11 @@ def split_weight_chunks(
     Every tensor is yielded whole, in order: zero-element and 0-d tensors, non-contiguous
     tensors and every non-quantized dtype included.
 
-    Raises ``ValueError`` if ``bucket_size < 1`` and ``UnsupportedTensorError`` for an item that
+    Raises ``EngineOptionError`` (a ``ValueError``) for a bucket size that is not an int >= 1,
+    and ``UnsupportedTensorError`` for an item that
     is not a byte-movable tensor, or whose name is not a string.
     """
-    _require_positive_int("bucket_size", bucket_size, " (bytes)")
+    check_bucket_size(bucket_size, name="bucket_size")
     return _split(weights, bucket_size, None, 0, 0, 0)
 
 
@@ -82,7 +84,7 @@ def split_weight_chunks_bounded(
     bucket instead of being split over two (a receiver can then take it straight from one
     bucket). ``open_bucket``: ``(bytes laid out, chunks placed)`` of a bucket already open,
     which the first chunks continue (the pipeline's replay hands its open bucket over so)."""
-    _require_positive_int("bucket_size", bucket_size, " (bytes)")
+    check_bucket_size(bucket_size, name="bucket_size")
     _require_positive_int("max_chunks", max_chunks)
     used, chunks = open_bucket
     if not (0 <= used <= bucket_size and 0 <= chunks <= max_chunks):

@@ -1,6 +1,6 @@
 """``ckpt-engine``: list installed backends, and benchmark a refit against the transport floor.
 
-ckpt-engine list [--json]
+ckpt-engine list [--json] [--no-options]
 ckpt-engine bench [--backend gloo_cpu] [--size 1GiB | --model PATH] [--bucket-size 64MiB]
                   [--policy 1] [--rollout 2] [--topology broadcast] [--refits 3]
                   [--option KEY=VALUE ...] [--launcher local|ray [--ray-address ADDR]]
@@ -49,6 +49,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
     listing = commands.add_parser("list", help="installed backends, their load status and capabilities")
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    listing.add_argument(
+        "--no-options", action="store_true", help="leave out each backend's options (name, default, doc)"
+    )
 
     bench = commands.add_parser("bench", help="refit between local processes and compare with raw Gloo")
     source = bench.add_mutually_exclusive_group()
@@ -145,7 +148,24 @@ def _list(args: argparse.Namespace) -> int:
     print(_table(rows))
     for note in notes:
         print(f"  {note}")
+    if not args.no_options:
+        for info in infos:
+            if info.options is not None:
+                print(f"\n{info.name} options (engine_kwargs; defaults as used when not passed):")
+                print(_options_table(info.options))
     return 0
+
+
+def _options_table(options: tuple[dict[str, Any], ...]) -> str:
+    """A backend's options schema (``OptionSchema.describe()``) as a table; an option that every
+    worker must set alike is marked, and one passed otherwise says how."""
+    rows: list[tuple[Any, ...]] = [("  option", "default", "accepts", "meaning")]
+    for option in options:
+        name = option["name"] + (" *" if option["agreed"] else "")
+        if option.get("argument"):
+            name += f" (as {option['argument']})"
+        rows.append((f"  {name}", option["default"], option["accepts"], option["doc"]))
+    return _table(rows) + "\n  * the same value on every worker of one refit"
 
 
 def _table(rows: list[tuple[Any, ...]]) -> str:
@@ -157,24 +177,40 @@ def _table(rows: list[tuple[Any, ...]]) -> str:
 
 def _bench(args: argparse.Namespace) -> int:
     from ckpt_core.bench.job import BenchConfig, run_bench
-    from ckpt_core.errors import BackendImportError, DuplicateBackendError, NotAnEngineError, UnknownBackendError
-    from ckpt_core.registry import resolve_backend
+    from ckpt_core.errors import (
+        BackendImportError,
+        DuplicateBackendError,
+        EngineOptionError,
+        NotAnEngineError,
+        UnknownBackendError,
+    )
+    from ckpt_core.options import schema_of
+    from ckpt_core.registry import check_engine_kwargs, resolve_backend
 
     if args.ray_address and args.launcher != "ray":
         _build_parser().error("--ray-address needs --launcher ray")
     try:  # here, before any worker starts: a missing plugin is a one-line fix, not a worker's traceback
-        resolve_backend(args.backend)
+        engine_class = resolve_backend(args.backend)
     except (UnknownBackendError, BackendImportError, DuplicateBackendError, NotAnEngineError) as exc:
         default = " (the default backend)" if args.backend == "gloo_cpu" else ""
         print(f"ckpt-engine bench: backend {args.backend!r}{default} cannot be used: {exc}", file=sys.stderr)
         return 2
 
+    schema = schema_of(engine_class)
     engine_kwargs: dict[str, Any] = dict(args.option)
-    engine_kwargs.setdefault("timeout_s", args.timeout)
+    if schema is None or "timeout_s" in schema:  # an engine without the option keeps its own deadline
+        engine_kwargs.setdefault("timeout_s", args.timeout)
     if args.topology:
         engine_kwargs["topology"] = args.topology
     if args.device:
         engine_kwargs["device"] = args.device
+    try:  # names and values, as the engine will parse them, before any worker starts
+        check_engine_kwargs(engine_class, engine_kwargs)
+        if schema is not None:
+            schema.parse(engine_class.__name__, {"bucket_size": args.bucket_size, **engine_kwargs})
+    except EngineOptionError as exc:
+        print(f"ckpt-engine bench: {exc}", file=sys.stderr)
+        return 2
     config = BenchConfig(
         backend=args.backend,
         size_bytes=None if args.model else args.size,

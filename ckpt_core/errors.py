@@ -35,7 +35,8 @@ class NotAnEngineError(CheckpointEngineError, TypeError):
 
 
 class InvalidArgumentError(CheckpointEngineError, ValueError):
-    """An argument is outside its contract: a bucket size, a rank, a world size, a metadata list."""
+    """An argument is outside its contract: a rank, a world size, a metadata list. (A bad
+    engine option, the bucket size included, is its subclass ``EngineOptionError``.)"""
 
 
 class WeightLayoutError(InvalidArgumentError):
@@ -43,8 +44,13 @@ class WeightLayoutError(InvalidArgumentError):
     or does not fit the weights the sender yields (a layout of another model)."""
 
 
-class EngineOptionError(CheckpointEngineError, TypeError):
-    """An engine option is unknown, or of the wrong type or value."""
+class EngineOptionError(InvalidArgumentError, TypeError):
+    """An engine option is unknown, missing, or of the wrong type or value; the bucket size
+    (``bucket_size_bytes``) included, wherever it is checked (registry, engine, CLI, Ray).
+
+    Also an ``InvalidArgumentError`` and a ``ValueError`` (what a bad bucket size used to be)
+    and a ``TypeError`` (what Python raises for an unknown keyword argument), so ``except``
+    clauses written for any of them keep working."""
 
 
 class HookValidationError(CheckpointEngineError, ValueError):

@@ -28,10 +28,10 @@ from ckpt_core.errors import (
     BackendImportError,
     DuplicateBackendError,
     EngineOptionError,
-    InvalidArgumentError,
     NotAnEngineError,
     UnknownBackendError,
 )
+from ckpt_core.options import check_bucket_size, schema_of
 from ckpt_core.transport.capabilities import BackendCapabilities, declared_capabilities, unavailable_reason
 
 ENTRY_POINT_GROUP = "ckpt_core.backends"
@@ -73,10 +73,14 @@ class BackendInfo:
     """Why it loads but cannot run on this machine; only filled with ``details=True``."""
     capabilities: BackendCapabilities | None = None
     """Only filled with ``details=True``."""
+    options: tuple[dict[str, Any], ...] | None = None
+    """Its options schema (``OptionSchema.describe()``: name, default, accepts, agreed, doc),
+    ``None`` for an engine that declares none; only filled with ``details=True``."""
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["capabilities"] = self.capabilities.to_dict() if self.capabilities else None
+        data["options"] = list(self.options) if self.options is not None else None
         return data
 
 
@@ -135,11 +139,13 @@ def _describe(entry: BackendEntry, *, duplicates: list[BackendEntry], details: b
         return BackendInfo(**base, loads=False, error=str(exc))
     if not details:
         return BackendInfo(**base, loads=True)
+    schema = schema_of(engine_class)
     return BackendInfo(
         **base,
         loads=True,
         unavailable_reason=unavailable_reason(engine_class),
         capabilities=declared_capabilities(engine_class),
+        options=tuple(schema.describe()) if schema is not None else None,
     )
 
 
@@ -228,9 +234,8 @@ def _duplicate_message(name: str, entries: list[BackendEntry]) -> str:
 
 
 def build_engine(backend: str, *, bucket_size_bytes: int, engine_kwargs: dict[str, Any]) -> CheckpointEngine:
-    """Resolve ``backend``, check the options against its constructor, and construct it."""
-    if isinstance(bucket_size_bytes, bool) or not isinstance(bucket_size_bytes, int) or bucket_size_bytes < 1:
-        raise InvalidArgumentError(f"bucket_size_bytes must be a positive int (bytes), got {bucket_size_bytes!r}")
+    """Resolve ``backend``, check the options against its schema, and construct it."""
+    check_bucket_size(bucket_size_bytes)
     engine_class = resolve_backend(backend)
     check_engine_kwargs(engine_class, engine_kwargs)
     construct: Callable[..., CheckpointEngine] = engine_class  # the ABC itself declares no options
@@ -238,50 +243,28 @@ def build_engine(backend: str, *, bucket_size_bytes: int, engine_kwargs: dict[st
 
 
 def check_engine_kwargs(engine_class: type[CheckpointEngine], engine_kwargs: Any) -> None:
-    """Check option names against ``engine_class``'s constructor before it is called.
+    """Check option names against ``engine_class``'s options schema before it is built.
 
     Raises ``EngineOptionError`` for a non-mapping, a non-string key, ``bucket_size`` passed as
     an option, an unknown option (naming the accepted ones and the closest match) or a missing
-    required one. Value checks are the engine's own.
+    required one. Values are checked when the engine parses them. An engine class that declares
+    no schema (a plain ``CheckpointEngine``) checks its own keyword arguments.
     """
+    schema = schema_of(engine_class)
+    if schema is not None:
+        schema.check_kwargs(engine_class.__name__, engine_kwargs)
+        return
     if not isinstance(engine_kwargs, dict):
         raise EngineOptionError(
             f"engine_kwargs must be a dict of option name to value, got {type(engine_kwargs).__name__}"
         )
-    params = inspect.signature(engine_class.__init__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        accepted = None
-    else:
-        accepted = [
-            name
-            for name, p in params.items()
-            if name not in ("self", "bucket_size")
-            and p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        ]
     for key in engine_kwargs:
         if not isinstance(key, str):
             raise EngineOptionError(f"engine option names must be strings, got {key!r}")
         if key == "bucket_size":
             raise EngineOptionError(
-                "pass the bucket size as create_checkpoint_engine(bucket_size_bytes=...), not in engine_kwargs"
+                "pass bucket_size as create_checkpoint_engine(bucket_size_bytes=...), not in engine_kwargs"
             )
-        if accepted is not None and key not in accepted:
-            close = difflib.get_close_matches(key, accepted, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise EngineOptionError(
-                f"{engine_class.__name__} has no option {key!r}{hint}. "
-                f"Accepted options: {', '.join(accepted) or '(none)'}"
-            )
-    missing = [
-        name
-        for name, p in params.items()
-        if name not in ("self", "bucket_size")
-        and p.default is inspect.Parameter.empty
-        and p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        and name not in engine_kwargs
-    ]
-    if missing:
-        raise EngineOptionError(f"{engine_class.__name__} requires option(s) {', '.join(missing)} in engine_kwargs")
 
 
 def create_checkpoint_engine(
@@ -292,8 +275,9 @@ def create_checkpoint_engine(
 ) -> CheckpointEngine:
     """Build the engine registered as ``backend`` (or given as ``"module:ClassName"``).
 
-    ``engine_kwargs`` are checked against the engine constructor's named parameters before it
-    is called; the engine receives ``bucket_size_bytes`` as ``bucket_size``. See
+    ``engine_kwargs`` are checked against the engine class's options schema
+    (:mod:`ckpt_core.options`) before it is called, and a bad ``bucket_size_bytes`` is an
+    ``EngineOptionError`` like any bad option; the engine receives it as ``bucket_size``. See
     :func:`resolve_backend` for resolution and its errors.
     """
     return build_engine(backend, bucket_size_bytes=bucket_size_bytes, engine_kwargs=engine_kwargs)

@@ -237,7 +237,7 @@ def test_empty_refit(recorder: Recorder) -> None:
 
 def test_flipped_byte_is_an_integrity_error(recorder: Recorder, rng: torch.Generator) -> None:
     weights = mixed_weights(rng)
-    policy, rollout = connected_pair(BUCKET)
+    policy, rollout = connected_pair(BUCKET, checksum=True)
     try:
         assert policy.link is not None
         policy.link.corrupt[2] = 5  # bucket 2 arrives with byte 5 flipped

@@ -31,6 +31,7 @@ EXTERNAL = """
     from typing import ClassVar
 
     from ckpt_core.base import CheckpointEngine
+    from ckpt_core.transport import REQUIRED, Option
     from ckpt_core.transport.capabilities import BackendCapabilities
     from ckpt_core.transport.engine import BucketedEngine
 
@@ -45,9 +46,11 @@ EXTERNAL = """
         def unavailable_reason(cls):
             return "external_mem needs a flux capacitor"
 
-        def __init__(self, *, bucket_size, flavour, timeout_s=300.0, checksum=True):
-            super().__init__(bucket_size=bucket_size, timeout_s=timeout_s, checksum=checksum)
-            self.flavour = flavour
+        options = BucketedEngine.options.extend(Option.text("flavour", REQUIRED, "how it tastes"))
+
+        def __init__(self, **options):
+            super().__init__(**options)
+            self.flavour = self.option_values.flavour
 
         def _connect_policy(self, worker_rank, train_world_size, rollout_world_size, metadata):
             raise NotImplementedError("a registry test: never connected")
@@ -275,6 +278,7 @@ def test_list_backends_reports_every_registration(probe: dict[str, Any]) -> None
         "error": None,
         "unavailable_reason": None,
         "capabilities": None,
+        "options": None,
     }
     (broken,) = _entry(infos, "broken_mem")
     assert broken["loads"] is False and "libfoo_for_tests" in broken["error"]
@@ -290,8 +294,14 @@ def test_list_backends_details(probe: dict[str, Any]) -> None:
     (external,) = _entry(details, "external_mem")
     assert external["capabilities"] == {"devices": ["cpu"], "topologies": ["broadcast"], "placements": ["colocated"]}
     assert external["unavailable_reason"] == "external_mem needs a flux capacitor"
+    # Its options, read from its schema: the inherited ones and its own required one.
+    flavour = {option["name"]: option for option in external["options"]}["flavour"]
+    assert flavour == {"name": "flavour", "default": "required", "accepts": "non-empty string", "agreed": False,
+                       "doc": "how it tastes"}  # fmt: skip
+    assert [o["name"] for o in external["options"]][:3] == ["bucket_size", "timeout_s", "checksum"]
     (seed,) = _entry(details, "external_seed")
     assert seed["loads"] is True and seed["capabilities"] is None and seed["unavailable_reason"] is None
+    assert seed["options"] is None  # an engine of the seed alone declares no schema
     (broken,) = _entry(details, "broken_mem")
     assert broken["loads"] is False and broken["capabilities"] is None
 

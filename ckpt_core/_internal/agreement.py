@@ -3,7 +3,8 @@
 A setting that only one side applies is worse than an error: ``checksum=True`` on the rollout
 alone used to verify nothing, silently; a bucket-size or topology mismatch failed at the first
 refit, or after a full ``timeout_s``, without naming its cause. So each worker stamps the
-settings both sides must agree on into its ``prepare()`` metadata (``AGREED_KEY``), and at init
+settings both sides must agree on (the options its class's schema declares ``agreed``, see
+:mod:`ckpt_core.options`) into its ``prepare()`` metadata (``AGREED_KEY``), and at init
 every worker compares every entry with its own (:func:`check_metadata_agreement`), before any
 connection is made. World sizes are not known at ``prepare()``; transports compare them at
 rendezvous with :func:`differences` (the distributed transports over the store, cuda_ipc in
@@ -21,8 +22,8 @@ from ckpt_core.errors import EngineOptionError, PeerLostError, WireFormatError
 AGREED_KEY = "agreed"
 """The metadata field holding a worker's agreed settings (a JSON object)."""
 
-_OPTION_NAMES = {"bucket_size": "bucket_size_bytes", "engine_ids": "metadata (the same list on every worker)"}
-"""How a setting is spelled where the user sets it, where that differs."""
+_VIEW_NAMES = {"engine_ids": "metadata (the same list on every worker)"}
+"""How a rendezvous view's entries are named to the user (they are not options)."""
 
 
 def differences(mine: Mapping[str, Any], theirs: Any) -> list[str]:
@@ -41,8 +42,13 @@ def differences(mine: Mapping[str, Any], theirs: Any) -> list[str]:
     return diffs
 
 
-def mismatch_message(owner: str, who: str, diffs: list[str], mine: Mapping[str, Any]) -> str:
-    options = ", ".join(_OPTION_NAMES.get(key, key) for key in mine)
+def mismatch_message(
+    owner: str, who: str, diffs: list[str], mine: Mapping[str, Any], spellings: Mapping[str, str] | None = None
+) -> str:
+    """The error for a worker that disagrees; ``spellings`` maps a setting to how the user
+    sets it, where that differs (the options schema's ``spellings()``: ``bucket_size_bytes``)."""
+    names = {**_VIEW_NAMES, **(spellings or {})}
+    options = ", ".join(names.get(key, key) for key in mine)
     return (
         f"{owner}: {who} uses {'; '.join(diffs)}: every worker of one engine must agree on "
         f"{options}; pass the same values to every worker"
@@ -50,9 +56,15 @@ def mismatch_message(owner: str, who: str, diffs: list[str], mine: Mapping[str, 
 
 
 def check_metadata_agreement(
-    owner: str, mine: Mapping[str, Any], metadata: list[dict[str, Any]], train_world_size: int
+    owner: str,
+    mine: Mapping[str, Any],
+    metadata: list[dict[str, Any]],
+    train_world_size: int,
+    *,
+    spellings: Mapping[str, str] | None = None,
 ) -> None:
-    """``EngineOptionError`` naming the first worker whose entry disagrees with ``mine``;
+    """``EngineOptionError`` naming the first worker whose entry disagrees with ``mine`` (an
+    engine's ``_agreed_settings()``: the options its schema declares ``agreed``);
     ``WireFormatError`` for an entry that carries no settings."""
     for index, entry in enumerate(metadata):
         who = f"policy rank {index}" if index < train_world_size else f"rollout rank {index - train_world_size}"
@@ -64,7 +76,7 @@ def check_metadata_agreement(
             )
         diffs = differences(mine, theirs)
         if diffs:
-            raise EngineOptionError(mismatch_message(owner, who, diffs, mine))
+            raise EngineOptionError(mismatch_message(owner, who, diffs, mine, spellings))
 
 
 # --- at rendezvous, over the store (the distributed transports) ------------------------------

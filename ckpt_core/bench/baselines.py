@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ckpt_core.orchestration.worker import peak_rss_bytes
+from ckpt_core.topology import Topology
 from ckpt_core.transport.torch_distributed import gloo_group
 
 
@@ -53,7 +54,7 @@ class RawGlooWorker:
         for _ in range(repetitions):
             self._group.barrier().wait(self.timeout)
             start = time.perf_counter()
-            if topology == "broadcast":
+            if Topology.parse(topology).shares_link:
                 self._group.broadcast(buffer, 0).wait(self.timeout)
             elif self.rank == 0:
                 works = [self._group.send([buffer], peer, 0) for peer in range(1, self.size)]

@@ -16,6 +16,7 @@ from typing import Any
 from ckpt_core.orchestration.coordinator import RefitCoordinator, WorkerPool
 from ckpt_core.orchestration.local import LocalProcessPool
 from ckpt_core.orchestration.worker import refit_worker_specs
+from ckpt_core.topology import Topology
 
 _STAT_FIELDS = ("seconds", "pack_seconds", "transfer_seconds", "unpack_seconds", "checksum_seconds")
 
@@ -136,7 +137,7 @@ def _summarize(label: str, results: list[dict[str, Any]]) -> dict[str, Any]:
 def measure_gloo_floor(nbytes: int, topology: str, num_rollout: int, refits: int, timeout_s: float) -> dict[str, Any]:
     """Median GB/s of raw Gloo moving ``nbytes`` as one tensor (after one warm-up), to every
     receiver by broadcast, or from one sender to one receiver for ``paired``."""
-    size = num_rollout + 1 if topology == "broadcast" else 2
+    size = num_rollout + 1 if Topology.parse(topology).shares_link else 2
     specs = [{"service": "ckpt_core.bench.baselines:RawGlooWorker", "rank": r, "size": size} for r in range(size)]
     labels = ["raw sender"] + [f"raw receiver {r}" for r in range(1, size)]
     with LocalProcessPool(specs, labels=labels) as pool:

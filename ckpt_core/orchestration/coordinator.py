@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from ckpt_core.errors import InvalidArgumentError, LifecycleError, TransferError
+from ckpt_core.topology import Topology
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +93,7 @@ class RefitCoordinator:
         num_policy: int,
         num_rollout: int,
         timeout_s: float = 600.0,
-        topology: str = "broadcast",
+        topology: Topology | str = "broadcast",
         verify: bool = True,
     ) -> None:
         if num_policy < 1 or num_rollout < 1 or len(pool) != num_policy + num_rollout:
@@ -103,7 +104,7 @@ class RefitCoordinator:
         self.num_policy = num_policy
         self.num_rollout = num_rollout
         self.timeout_s = timeout_s
-        self.topology = topology
+        self.topology = Topology.parse(topology)
         self.verify = verify
         self.weight_version = 0
         self._refits_since_init = 0
@@ -183,7 +184,7 @@ class RefitCoordinator:
         return [r for r in results if not r.ok]
 
     def _source_rank(self, rollout_rank: int) -> int:
-        return rollout_rank if self.topology == "paired" else 0
+        return self.topology.source(rollout_rank)
 
     def _sent_to(self, policy: list[dict[str, Any]], rollout_rank: int) -> dict[str, Any]:
         """What the sender of ``rollout_rank`` sent it (``tensors``, ``digests``): its own

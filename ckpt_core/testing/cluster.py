@@ -20,6 +20,7 @@ from typing import Any
 from ckpt_core.orchestration.coordinator import CallResult, RefitCoordinator, RefitFailedError, RefitReport
 from ckpt_core.orchestration.local import LocalProcessPool
 from ckpt_core.orchestration.worker import refit_worker_specs
+from ckpt_core.topology import Topology
 
 PROBE_SERVICE = "ckpt_core.testing.services:ProbeWorker"
 WEIGHTS = "ckpt_core.testing.weights:"
@@ -69,11 +70,11 @@ class Shape:
 
     @property
     def paired(self) -> bool:
-        return self.topology == "paired"
+        return self.topology == Topology.PAIRED
 
     def source_rank(self, rollout_rank: int) -> int:
         """The policy rank whose weights ``rollout_rank`` must receive."""
-        return rollout_rank if self.paired else 0
+        return Topology.parse(self.topology or "broadcast").source(rollout_rank)
 
     def worker_label(self, role: str, rank: int) -> str:
         return f"{role} rank {rank}"

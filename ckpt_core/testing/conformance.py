@@ -40,10 +40,10 @@ import pytest
 
 from ckpt_core.contract import CheckpointEngine
 from ckpt_core.errors import EngineOptionError, LifecycleError, TransferError
+from ckpt_core.options import schema_of
 from ckpt_core.orchestration.coordinator import RefitFailedError
 from ckpt_core.registry import (
     backend_names,
-    check_engine_kwargs,
     create_checkpoint_engine,
     list_backends,
     resolve_backend,
@@ -52,6 +52,7 @@ from ckpt_core.testing import plugin as kit_plugin
 from ckpt_core.testing.cluster import ConformanceCluster, Shape, worker_environment
 from ckpt_core.testing.lifecycle import OUT_OF_ORDER_CASES, OutOfOrderCase, run_out_of_order
 from ckpt_core.testing.settings import DEFAULT_BUCKET_SIZE, KitSettings
+from ckpt_core.transport.capabilities import declared_capabilities
 from ckpt_core.transport.engine import BucketedEngine
 
 CLUSTER_FIXTURE = "conformance_cluster"
@@ -167,6 +168,12 @@ class TransportConformance:
             call_timeout_s=call_timeout_s,
         )
 
+    def _takes_option(self, settings: KitSettings, option: str) -> bool:
+        """Whether the backend's options schema declares ``option`` (an engine without a schema
+        is given no option the class did not configure)."""
+        schema = schema_of(resolve_backend(settings.backend))
+        return schema is not None and option in schema.names()
+
     def _engine(self, settings: KitSettings, extra: dict[str, Any] | None = None) -> CheckpointEngine:
         options = {**settings.engine_options, **(extra or {})}
         options = self.worker_engine_options(options, role="policy", rank=0, shape=Shape(1, 1))
@@ -217,13 +224,49 @@ class TransportConformance:
     def test_takes_the_options_nemo_rl_passes(self, conformance_settings: KitSettings) -> None:
         """NeMo RL builds every plugin engine with ``release_after_refit`` (and may pass
         ``shard_expert_weights``); an engine that refuses them cannot be used from NeMo RL.
-        ``BucketedEngine`` takes both: pass them on from your ``__init__``."""
+        ``BucketedEngine``'s options schema declares both: extend it, never restate or drop them."""
         for flag in (False, True):
             engine = self._engine(conformance_settings, {"release_after_refit": flag, "shard_expert_weights": flag})
             try:
                 assert engine.shard_expert_weights is flag
             finally:
                 engine.finalize()
+
+    def test_options_are_declared_in_one_schema(self, conformance_settings: KitSettings) -> None:
+        """Options are declared once, in the engine class's ``options`` schema, which the
+        registry, ``ckpt-engine list``, the Ray launcher and this kit read: every default parses,
+        an unknown name is refused naming the accepted ones, a value outside an option's choices
+        is an ``EngineOptionError`` naming the option (checked before any availability probe),
+        the class docstring lists every option, and declared topologies are the ``topology``
+        option's choices."""
+        settings = conformance_settings
+        engine_class = resolve_backend(settings.backend)
+        schema = schema_of(engine_class)
+        if schema is None:
+            pytest.skip(f"{engine_class.__name__} declares no options schema (a plain CheckpointEngine)")
+        owner = engine_class.__name__
+        for name, option in schema.items():
+            if not option.required:
+                option.check(owner, option.default)  # a default its own check refuses is a bug
+            assert f"``{name}``" in (engine_class.__doc__ or ""), f"{owner}'s docstring does not list {name!r}"
+
+        def create(extra: dict[str, Any]) -> CheckpointEngine:
+            options = {**settings.engine_options, **extra}
+            size = settings.bucket_size
+            return create_checkpoint_engine(settings.backend, bucket_size_bytes=size, engine_kwargs=options)
+
+        with pytest.raises(EngineOptionError, match="no option 'zz_unknown'.*Accepted options"):
+            create({"zz_unknown": 1})
+        for name, option in schema.items():
+            if option.choices:
+                with pytest.raises(EngineOptionError, match=name):
+                    create({name: "zz-not-a-choice"})
+        capabilities = declared_capabilities(engine_class)
+        if capabilities is not None and "topology" in schema:
+            assert set(capabilities.topologies) == set(schema["topology"].choices), (
+                f"{owner}.capabilities.topologies {capabilities.topologies} differ from its topology "
+                f"option's choices {schema['topology'].choices}"
+            )
 
     def test_finalize_is_idempotent(self, conformance_settings: KitSettings) -> None:
         engine = self._engine(conformance_settings)
@@ -340,11 +383,9 @@ class TransportConformance:
         checked before its buffer may be reused. Tiny tensors (lent a run at a time), tensors
         larger than a bucket (assembled) and every dtype, refit after refit."""
         backend = conformance_settings.backend
-        options = {**conformance_settings.engine_options, "borrow_received_tensors": True}
-        try:
-            check_engine_kwargs(resolve_backend(backend), options)
-        except EngineOptionError:
+        if not self._takes_option(conformance_settings, "borrow_received_tensors"):
             pytest.skip(f"{backend} takes no borrow_received_tensors option")
+        options = {**conformance_settings.engine_options, "borrow_received_tensors": True}
         shape = Shape(1, 1, Shape.coerce(type(self).shapes[0]).topology)
         cluster = self._cluster_of_its_own(conformance_settings, shape, options, self.call_timeout_s)
         b = conformance_settings.bucket_size
@@ -359,17 +400,13 @@ class TransportConformance:
     # --- failures ------------------------------------------------------------------------------
 
     def test_killed_peer_fails_refit_within_timeout(self, conformance_settings: KitSettings, tmp_path: Path) -> None:
-        backend, bucket_size = conformance_settings.backend, conformance_settings.bucket_size
+        bucket_size = conformance_settings.bucket_size
         shapes = [Shape.coerce(s) for s in type(self).shapes]
         shape = Shape.coerce(self.dead_peer_shape) if self.dead_peer_shape else Shape(1, 1, shapes[0].topology)
         options = dict(conformance_settings.engine_options)
         timeout_s = float(options.get("timeout_s", self.peer_timeout_s))
-        if "timeout_s" not in options:
-            try:
-                check_engine_kwargs(resolve_backend(backend), {**options, "timeout_s": timeout_s})
-                options["timeout_s"] = timeout_s
-            except EngineOptionError:
-                pass  # the engine has no such option: its own deadline must hold
+        if "timeout_s" not in options and self._takes_option(conformance_settings, "timeout_s"):
+            options["timeout_s"] = timeout_s  # else the engine has no such option: its own deadline must hold
         limit_s = timeout_s + self.peer_margin_s
         cluster = self._cluster_of_its_own(
             conformance_settings, shape, options, max(self.call_timeout_s, limit_s + 30.0)

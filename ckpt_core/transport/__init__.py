@@ -7,7 +7,8 @@ how peers meet and how one buffer moves. Subclass :class:`BucketedEngine` and im
 :class:`DistributedEngine` does the meeting too. Plugins import from here, from
 :mod:`ckpt_core.contract` and from :mod:`ckpt_core.errors`, and from nothing else in
 ckpt-core; the modules behind these names are :mod:`.engine`, :mod:`.torch_distributed` and
-:mod:`.capabilities`, plus the option checks of :mod:`ckpt_core.options` and re-exported
+:mod:`.capabilities`, plus the options schema and checks of :mod:`ckpt_core.options` (how an
+engine declares its options), :class:`Topology` (who sends to whom) and re-exported
 internals (the two bucket interfaces, which the pipeline below this package drives; checksums,
 wire-format limits, dtype names, the rendezvous' ``DetachableStore``). Names load on first use, so that the
 registry can read :class:`BackendCapabilities` without importing a transport stack.
@@ -33,8 +34,14 @@ _EXPORTS = {
     "Link": "ckpt_core.transport.torch_distributed",
     "MAX_HEADER_BYTES": "ckpt_core._internal.wire",
     "MAX_TIMEOUT_S": "ckpt_core.options",
+    "Option": "ckpt_core.options",
+    "OptionSchema": "ckpt_core.options",
+    "OptionValues": "ckpt_core.options",
+    "REQUIRED": "ckpt_core.options",
     "TOPOLOGIES": "ckpt_core.transport.torch_distributed",
+    "Topology": "ckpt_core.topology",
     "check_bool": "ckpt_core.options",
+    "check_bucket_size": "ckpt_core.options",
     "check_choice": "ckpt_core.options",
     "check_positive_number": "ckpt_core.options",
     "decode_header": "ckpt_core._internal.wire",
@@ -55,7 +62,18 @@ if TYPE_CHECKING:
     from ckpt_core._internal.pipeline import Checksum
     from ckpt_core._internal.store import DetachableStore
     from ckpt_core._internal.wire import MAX_HEADER_BYTES, decode_header
-    from ckpt_core.options import MAX_TIMEOUT_S, check_bool, check_choice, check_positive_number
+    from ckpt_core.options import (
+        MAX_TIMEOUT_S,
+        REQUIRED,
+        Option,
+        OptionSchema,
+        OptionValues,
+        check_bool,
+        check_bucket_size,
+        check_choice,
+        check_positive_number,
+    )
+    from ckpt_core.topology import Topology
     from ckpt_core.transport.capabilities import BackendCapabilities
     from ckpt_core.transport.engine import BucketedEngine
     from ckpt_core.transport.torch_distributed import (

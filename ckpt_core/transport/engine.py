@@ -19,9 +19,10 @@ import abc
 import contextlib
 import enum
 import functools
-import inspect
+import textwrap
+import threading
 import uuid
-from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Mapping
+from collections.abc import AsyncGenerator, Generator, Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -32,7 +33,7 @@ from ckpt_core._internal.checksum import payload_checksum
 from ckpt_core._internal.fanout import Destination, send_refit_each
 from ckpt_core._internal.host_alloc import release_host_pool
 from ckpt_core._internal.json_data import json_data_problem
-from ckpt_core._internal.pipeline import Checksum, ReceiveMemo, receive_refit, send_refit
+from ckpt_core._internal.pipeline import Checksum, ReceiveMemo, RefitCancelled, receive_refit, send_refit
 from ckpt_core._internal.replay import PackingRecord
 from ckpt_core._internal.wire import FORMAT_VERSION
 from ckpt_core.contract import CheckpointEngine
@@ -45,33 +46,14 @@ from ckpt_core.errors import (
 )
 from ckpt_core.hooks import RefitNotifier
 from ckpt_core.layout import LayoutSelector, WeightLayout, check_layouts, is_ckpt_layout, select_weights
-from ckpt_core.options import MAX_TIMEOUT_S, check_bool, check_positive_number
-from ckpt_core.registry import check_engine_kwargs
+from ckpt_core.options import MAX_TIMEOUT_S, REQUIRED, Option, OptionSchema, OptionValues
 from ckpt_core.stats import RefitStats, Role
+from ckpt_core.topology import Topology
+from ckpt_core.transport._refit_thread import RefitThread
 
 BORROWS_KEY = "borrows_received_tensors"
 """In a rollout's ``prepare()`` metadata when it borrows: its senders then pack every chunk into
 their bucket buffers (no direct chunks), since only bytes that arrived in a buffer can be lent."""
-
-
-def _naming_unknown_options(init: Callable[..., None]) -> Callable[..., None]:
-    """``init``, refusing an option it does not take with ``EngineOptionError`` (a
-    ``TypeError``) that names the accepted options and the closest match. Callers that build
-    engines themselves (NeMo RL's factory: ``EngineClass(bucket_size=..., **options)``) get the
-    same error as ``create_checkpoint_engine`` instead of Python's bare ``TypeError``."""
-    params = inspect.signature(init).parameters.values()
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-    named = {
-        p.name for p in params if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    }
-
-    @functools.wraps(init)
-    def init_naming_unknown_options(self: BucketedEngine, *args: Any, **kwargs: Any) -> None:
-        if not takes_any and not named.issuperset(kwargs):
-            check_engine_kwargs(type(self), {k: v for k, v in kwargs.items() if k != "bucket_size"})
-        init(self, *args, **kwargs)
-
-    return init_naming_unknown_options
 
 
 class _State(enum.Enum):
@@ -85,9 +67,17 @@ class _State(enum.Enum):
 class BucketedEngine(CheckpointEngine):
     """Base of engines built on the shared bucket pipeline.
 
-    Options: ``bucket_size`` (bytes per bucket; each side holds two), ``timeout_s`` (bound on
-    every wait, default 300), ``checksum`` (xxh3 per bucket, default on), and two options of
-    NeMo RL's checkpoint engines, with NeMo RL's meaning (its config always passes the first):
+    Its options are declared once, in ``options`` (an :class:`~ckpt_core.options.OptionSchema`,
+    listed at the end of this docstring): a subclass inherits them and assigns
+    ``options = BucketedEngine.options.extend(...)`` (or ``.replace(...)``) to add or narrow its
+    own; the constructor, written once here, parses every keyword through the class's schema
+    (``EngineClass(bucket_size=..., **options)``, as NeMo RL builds engines) into
+    ``self.option_values``, and an unknown name is an ``EngineOptionError`` naming the accepted
+    options and the closest. ``checksum`` is off by default on every engine: turned on, each
+    bucket carries a digest its receiver verifies (xxh3 on host buffers, the device checksum on
+    GPU buffers), which catches corruption on the way (a bad NIC, DMA engine or memory) at the
+    price of one more read of every byte on each side. What the options of NeMo RL's engines
+    mean here (its config always passes the first):
 
     * ``release_after_refit`` (default off): NeMo RL then calls ``finalize()`` after every
       refit, and ``finalize()`` also hands cached memory back (the pooled host memory of freed
@@ -122,11 +112,58 @@ class BucketedEngine(CheckpointEngine):
 
     * ``backend_name``: its entry-point name, required of every concrete subclass;
     * ``_connect_policy`` and ``_connect_rollout`` (abstract): a sender / receiver;
+    * ``options``, where it has options of its own (a ``topology`` option, of type
+      :class:`~ckpt_core.topology.Topology`, sets who sends to whom; without one, policy rank
+      0 feeds every rollout rank);
     * optionally ``_prepare_transport``, ``_release_transport``, ``_release_cached_memory``,
       ``_destinations``, ``_payload_checksum``, ``_merge_device`` and ``_agreed_settings``.
 
     Every other underscore name is private to this class.
     """
+
+    options: ClassVar[OptionSchema] = OptionSchema(
+        Option.size(
+            "bucket_size",
+            REQUIRED,
+            "bytes per bucket; each side holds two buffers of it",
+            agreed=True,
+            argument="bucket_size_bytes",
+        ),
+        Option.number(
+            "timeout_s",
+            300.0,
+            "bound on every wait (rendezvous, each header, each payload)",
+            maximum=MAX_TIMEOUT_S,
+            kind="seconds > 0, at most 30 days",
+        ),
+        Option.flag(
+            "checksum",
+            False,
+            "a digest per bucket, verified on receipt (IntegrityError on mismatch): xxh3 on host "
+            "buffers, the device checksum on GPU buffers; off by default",
+            agreed=True,
+        ),
+        Option.flag(
+            "release_after_refit",
+            False,
+            "NeMo RL's: finalize() also hands cached memory back (the host pool of freed received "
+            "tensors; torch's CUDA cache where buffers are on a GPU)",
+        ),
+        Option.flag(
+            "shard_expert_weights",
+            False,
+            "NeMo RL's: get_target_weight_layout() returns the destination's weight_layout; with "
+            "ckpt-engine layouts each destination receives only its parts",
+            agreed=True,
+        ),
+        Option.flag(
+            "borrow_received_tensors",
+            False,
+            "rollout side: whole tensors arrive as views of the bucket buffer (no copy), valid "
+            "until the next batch is asked for",
+        ),
+    )
+    """Every option of this engine class, declared once (see the class docstring)."""
 
     backend_name: ClassVar[str]
     """The entry-point name; stamped into metadata so engines of another backend are refused.
@@ -142,28 +179,28 @@ class BucketedEngine(CheckpointEngine):
                 f"{cls.__qualname__} must set backend_name = '<its entry-point name>' (a non-empty "
                 f"string; it is stamped into prepare() metadata), got {name!r}"
             )
-        if "__init__" in cls.__dict__:
-            cls.__init__ = _naming_unknown_options(cls.__dict__["__init__"])  # type: ignore[method-assign]
+        schema = cls.__dict__.get("options")
+        if schema is not None and not isinstance(schema, OptionSchema):
+            raise TypeError(
+                f"{cls.__qualname__}.options must be an OptionSchema (BucketedEngine.options.extend(...)), "
+                f"got {type(schema).__name__}"
+            )
+        _document_options(cls)
 
-    def __init__(
-        self,
-        *,
-        bucket_size: int,
-        timeout_s: float = 300.0,
-        checksum: bool = True,
-        release_after_refit: bool = False,
-        shard_expert_weights: bool = False,
-        borrow_received_tensors: bool = False,
-    ) -> None:
-        owner = type(self).__name__
-        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
-            raise EngineOptionError(f"{owner}: bucket_size must be an int >= 1 (bytes), got {bucket_size!r}")
-        self.bucket_size = bucket_size
-        self.timeout_s = check_positive_number(owner, "timeout_s", timeout_s, MAX_TIMEOUT_S)
-        self.checksum = check_bool(owner, "checksum", checksum)
-        self.release_after_refit = check_bool(owner, "release_after_refit", release_after_refit)
-        self.shard_expert_weights = check_bool(owner, "shard_expert_weights", shard_expert_weights)
-        self.borrow_received_tensors = check_bool(owner, "borrow_received_tensors", borrow_received_tensors)
+    def __init__(self, *, bucket_size: int, **options: Any) -> None:
+        """Parse ``bucket_size`` and ``options`` through ``type(self).options``: an unknown
+        name, a missing required option or a bad value is an ``EngineOptionError``.
+        Subclasses that keep state of their own define ``__init__(self, **options)``, call
+        this first and read ``self.option_values``; they never restate the options."""
+        values = type(self).options.parse(type(self).__name__, {"bucket_size": bucket_size, **options})
+        self.option_values: OptionValues = values
+        """Every option's value, parsed (``self.option_values.timeout_s``)."""
+        self.bucket_size: int = values.bucket_size
+        self.timeout_s: float = values.timeout_s
+        self.checksum: bool = values.checksum
+        self.release_after_refit: bool = values.release_after_refit
+        self.shard_expert_weights: bool = values.shard_expert_weights
+        self.borrow_received_tensors: bool = values.borrow_received_tensors
         self._target_layout: dict[str, Any] | None = None
         self._send_direct = True  # False once a rollout this policy serves borrows (init)
         # With ckpt-engine layouts: destination rollout rank -> (its layout, how messages name it).
@@ -219,13 +256,20 @@ class BucketedEngine(CheckpointEngine):
 
     def _separate_streams(self) -> bool:
         """Whether ``_connect_policy`` returns a sender per destination rollout rank (a mapping),
-        so that each destination can be sent a stream of its own. Default: one sender."""
-        return False
+        so that each destination can be sent a stream of its own: as the topology says
+        (``fanout``); otherwise one sender."""
+        return self._topology().separate_streams
 
     def _destinations(self, worker_rank: int, train_world_size: int, rollout_world_size: int) -> list[int]:
-        """The rollout ranks policy rank ``worker_rank`` sends to; by default policy rank 0
-        broadcasts to all. Transports with other topologies override it."""
-        return list(range(rollout_world_size)) if worker_rank == 0 else []
+        """The rollout ranks policy rank ``worker_rank`` sends to, as the engine's topology
+        says (:meth:`_topology`)."""
+        return self._topology().destinations(worker_rank, train_world_size, rollout_world_size)
+
+    def _topology(self) -> Topology:
+        """Who sends to whom: the ``topology`` option where the engine has one, else
+        ``Topology.BROADCAST`` (policy rank 0 feeds every rollout rank)."""
+        value = self.option_values.get("topology", Topology.BROADCAST)
+        return value if isinstance(value, Topology) else Topology.parse(value, owner=type(self).__name__)
 
     def _payload_checksum(self) -> Checksum | None:
         """The checksum both sides compute over a bucket's payload, or ``None`` for none.
@@ -238,14 +282,11 @@ class BucketedEngine(CheckpointEngine):
 
     def _agreed_settings(self) -> dict[str, Any]:
         """Settings every worker of this engine must share (plain JSON values), compared with
-        every peer's at init (:mod:`ckpt_core._internal.agreement`); transports add their own.
-        ``shard_expert_weights`` is one: a rollout that publishes its layout and a policy that
-        ignores it would send whole weights to a rank that expects its shards."""
-        return {
-            "bucket_size": self.bucket_size,
-            "checksum": self.checksum,
-            "shard_expert_weights": self.shard_expert_weights,
-        }
+        every peer's at init (:mod:`ckpt_core._internal.agreement`): the options the schema
+        declares ``agreed`` (``shard_expert_weights`` is one: a rollout that publishes its
+        layout and a policy that ignores it would send whole weights to a rank that expects
+        its shards). A transport overrides it only for settings that are not options."""
+        return type(self).options.agreed(self.option_values)
 
     # --- the seed lifecycle ------------------------------------------------------------
 
@@ -430,10 +471,27 @@ class BucketedEngine(CheckpointEngine):
                 "voids it; finalize only after the refit's call returned or raised"
             ) from exc
 
+    def _refit_thread(self, role: Role, **kwargs: Any) -> RefitThread:
+        """The thread one refit of this engine runs on (see :mod:`ckpt_core.transport._refit_thread`):
+        it waits at most ``timeout_s`` for its next step; stopping it (a cancelled refit: the
+        step in flight may finish a transport wait, then abort, each wait bounded by
+        ``timeout_s``) is bounded by ``4 * timeout_s`` plus a margin."""
+        name = f"ckpt-refit-{self.backend_name}-{role}-{self._rank}"
+        return RefitThread(name, idle_s=self.timeout_s, stop_s=4 * self.timeout_s + 10.0, **kwargs)
+
     async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None]) -> None:
-        """Send one refit. Runs the transfer on the calling thread, yielding to the event loop
-        between buckets. A policy rank without a receiver drains ``weights`` (its iterator may
-        run collectives with the ranks that do send).
+        """Send one refit. Never blocks the event loop: the transfer runs on a thread of its
+        own (one per refit, ended before this returns), and the coroutine awaits it. The
+        weights generator is iterated on that thread, with the CUDA device and stream current
+        where this was called (when CUDA is initialized); refit hooks fire there too. A policy
+        rank without a receiver drains ``weights`` there (its iterator may run collectives
+        with the ranks that do send). Errors are raised here with their own types.
+
+        Cancelling the task awaiting this voids the refit: the transfer stops before its next
+        weight or bucket (a transport wait in progress ends first, within ``timeout_s``), the
+        receivers are sent an abort (they fail with ``RemoteRefitError``), the thread is
+        joined, and the engine is failed (``finalize()``, then ``prepare()`` and init again)
+        before ``CancelledError`` is raised.
 
         A yielded tensor must keep its memory and bytes while the sender may still read it:
         small ones are copied before the next weight is asked for; a chunk sent direct (1 MiB
@@ -444,8 +502,11 @@ class BucketedEngine(CheckpointEngine):
         self._require(_State.POLICY, "send_weights()")
         with self._refit_slot("send_weights()"):
             if self._sender is None:
-                for _ in weights:
-                    pass
+                drainer = self._refit_thread("policy")
+                try:
+                    await drainer.run(functools.partial(_drain, weights, drainer.cancel))
+                finally:
+                    await drainer.stop()
                 self._refit_index += 1
                 return
             notifier = RefitNotifier(self.backend_name, "policy", self._rank)
@@ -457,32 +518,43 @@ class BucketedEngine(CheckpointEngine):
             }
             context = notifier.context(self._refit_index)
             self.last_stats_by_destination = {}
+            runner = self._refit_thread("policy")
             try:
-                if isinstance(self._sender, Mapping):  # a stream per destination, each its own part
-                    per_destination = await send_refit_each(
-                        weights,
-                        self._destination_streams(self._sender),
-                        send=send_refit,
-                        context=context,
-                        notifier=notifier,
-                        timeout_s=self.timeout_s,
-                        **options,
-                    )
-                    self.last_stats_by_destination = per_destination
-                    self.last_stats = RefitStats.combined(per_destination.values())
-                else:
-                    if self._selection:
-                        layout, destination = next(iter(self._selection.values()))
-                        weights = select_weights(weights, layout, destination=destination)
-                    self.last_stats = await send_refit(
-                        weights,
-                        self._sender,
-                        context=context,
-                        notifier=notifier,
-                        timeout_s=self.timeout_s,
-                        record=self._packing_record,
-                        **options,
-                    )
+                try:
+                    if isinstance(self._sender, Mapping):  # a stream per destination, each its own part
+                        send = functools.partial(
+                            send_refit_each,
+                            weights,
+                            self._destination_streams(self._sender),
+                            send=send_refit,
+                            context=context,
+                            notifier=notifier,
+                            timeout_s=self.timeout_s,
+                            cancel=runner.cancel,
+                            **options,
+                        )
+                        per_destination = await runner.run(send)
+                        self.last_stats_by_destination = per_destination
+                        self.last_stats = RefitStats.combined(per_destination.values())
+                    else:
+                        if self._selection:
+                            layout, destination = next(iter(self._selection.values()))
+                            weights = select_weights(weights, layout, destination=destination)
+                        self.last_stats = await runner.run(
+                            functools.partial(
+                                send_refit,
+                                weights,
+                                self._sender,
+                                context=context,
+                                notifier=notifier,
+                                timeout_s=self.timeout_s,
+                                record=self._packing_record,
+                                cancel=runner.cancel,
+                                **options,
+                            )
+                        )
+                finally:
+                    await runner.stop()  # the transport is never dropped under a running step
             except BaseException as exc:
                 self._raise_if_cut_off(generation, "send_weights()", exc)
                 self._fail()
@@ -496,7 +568,20 @@ class BucketedEngine(CheckpointEngine):
         ``borrow_received_tensors``, whole tensors of a bucket are views of the transport's
         buffer instead, valid until the next batch is asked for. Stopping early voids the refit
         (the engine must be re-initialized; the transport, and with it any lent buffer, is
-        dropped then)."""
+        dropped then).
+
+        Never blocks the event loop: the refit runs on a thread of its own (one per refit),
+        advanced one batch per ``__anext__`` and idle while the consumer holds a batch, so it
+        never runs ahead of the consumer (a lent buffer is refilled only once the next batch
+        is asked for). Refit hooks fire on that thread. A consumer that does not ask for the
+        next batch within ``timeout_s`` voids the refit (its sender would time out meanwhile):
+        the next ``__anext__`` raises ``TransferTimeoutError``.
+
+        Stopping early (``aclose()``, or cancelling the task awaiting ``__anext__``, whose
+        transport wait in progress ends first, within ``timeout_s``) fails the engine, drops
+        the transport (the sender fails at once with ``PeerLostError``, or within its
+        ``timeout_s`` where the transport cannot tell), and joins the thread before the close
+        or the ``CancelledError`` returns."""
         self._require(_State.ROLLOUT, "receive_weight_batches()")
         assert self._receiver is not None
         with self._refit_slot("receive_weight_batches()"):
@@ -504,21 +589,29 @@ class BucketedEngine(CheckpointEngine):
             stats = RefitStats()
             completed = False
             generation = self._generation
+            cancel = threading.Event()
+            batches = receive_refit(
+                self._receiver,
+                bucket_size=self.bucket_size,
+                context=notifier.context(self._refit_index),
+                notifier=notifier,
+                timeout_s=self.timeout_s,
+                checksum=self._payload_checksum(),
+                merge_device=self._merge_device(),
+                stats=stats,
+                borrow=self.borrow_received_tensors,
+                memo=self._receive_memo,
+                cancel=cancel,
+            )
+            runner = self._refit_thread("rollout", cancel=cancel, on_idle=batches.close)
+            step = functools.partial(next, batches, None)
             try:
-                async for batch in receive_refit(
-                    self._receiver,
-                    bucket_size=self.bucket_size,
-                    context=notifier.context(self._refit_index),
-                    notifier=notifier,
-                    timeout_s=self.timeout_s,
-                    checksum=self._payload_checksum(),
-                    merge_device=self._merge_device(),
-                    stats=stats,
-                    borrow=self.borrow_received_tensors,
-                    memo=self._receive_memo,
-                ):
-                    yield batch
-                completed = True
+                try:
+                    while (batch := await runner.run(step)) is not None:
+                        yield batch
+                    completed = True
+                finally:
+                    await runner.stop(cleanup=None if completed else batches.close)
             except Exception as exc:
                 self._raise_if_cut_off(generation, "receive_weight_batches()", exc)
                 raise
@@ -609,9 +702,35 @@ class BucketedEngine(CheckpointEngine):
                 f"{owner}: metadata[{own_index}] is not this engine's prepare() result: order the "
                 "list as policy entries by worker_rank, then rollout entries by rollout_rank"
             )
-        check_metadata_agreement(owner, self._agreed_settings(), metadata, train_world_size)
+        check_metadata_agreement(
+            owner, self._agreed_settings(), metadata, train_world_size, spellings=type(self).options.spellings()
+        )
         return metadata
+
+
+def _document_options(cls: type[Any]) -> None:
+    """Append the options ``cls`` takes, generated from its schema, to its docstring (so
+    ``help()`` and API docs list exactly what the constructor accepts)."""
+    doc = cls.__dict__.get("__doc__") or ""
+    marker = "Options (generated from"
+    if marker in doc:
+        doc = doc[: doc.index(marker)]
+    doc = doc.rstrip()
+    body = [line for line in doc.splitlines()[1:] if line.strip()]
+    indent = min((len(line) - len(line.lstrip()) for line in body), default=0)
+    generated = textwrap.indent(cls.options.docstring(), " " * indent)
+    cls.__doc__ = f"{doc}\n\n{generated}\n" if doc else generated
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _drain(weights: Iterable[tuple[str, torch.Tensor]], cancel: threading.Event) -> None:
+    """Run a policy rank's weights to their end, sending nothing (it has no receiver)."""
+    for _ in weights:
+        if cancel.is_set():
+            raise RefitCancelled("the refit was cancelled by its caller")
+
+
+_document_options(BucketedEngine)

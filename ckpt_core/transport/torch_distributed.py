@@ -17,12 +17,15 @@ goes.
 Before groups form, members compare world sizes and metadata at rendezvous
 (:mod:`ckpt_core._internal.agreement`), so a mismatch is named at once instead of timing out.
 
-Topologies:
+Topologies (:class:`~ckpt_core.topology.Topology` says who feeds whom):
 
 * ``broadcast``: one group of policy rank 0 and every rollout rank; each bucket is broadcast
   from policy rank 0. Other policy ranks drain their weights.
 * ``paired``: one two-member group per pair (policy rank ``i``, rollout rank ``i``). Needs at
   least as many policy as rollout ranks; policy ranks without a partner drain their weights.
+* ``fanout``: one two-member group per rollout rank, all with policy rank 0, which sends each
+  rollout rank a stream of its own (with destination layouts: only its parts). Other policy
+  ranks drain their weights.
 
 Per bucket: a header frame (``HEADER_FRAME_BYTES``: the header's length, then as much of the
 header as fits), the rest of a longer header, the packed payload, then each direct chunk
@@ -57,10 +60,12 @@ from ckpt_core._internal.node_address import AUTO, HOST_ENV, node_address
 from ckpt_core._internal.store import DetachableStore, join_store
 from ckpt_core._internal.wire import MAX_HEADER_BYTES
 from ckpt_core.errors import EngineOptionError, LifecycleError, PeerLostError, TransferTimeoutError, WireFormatError
-from ckpt_core.options import check_choice
+from ckpt_core.options import Option
+from ckpt_core.topology import Topology
 from ckpt_core.transport.engine import BucketedEngine
 
-TOPOLOGIES = ("broadcast", "paired", "fanout")
+TOPOLOGIES = tuple(topology.value for topology in Topology)
+"""The topologies ``DistributedEngine`` supports (a subclass may narrow its ``topology`` choices)."""
 _FRAME_TAG, _HEADER_REST_TAG, _PAYLOAD_TAG = 1, 2, 3
 
 HEADER_FRAME_BYTES = 64 << 10
@@ -249,20 +254,16 @@ class DistributedReceiver(BucketReceiver):
 class DistributedEngine(BucketedEngine):
     """A ``BucketedEngine`` over dedicated torch.distributed groups; subclasses pick the groups.
 
-    Options (besides ``bucket_size`` and ``timeout_s``): ``checksum`` (xxh3 per bucket; default
-    off, since on a host refit it takes a large share of the time (docs/reliability.md); turn it
-    on across hosts or to debug a transport, and subclasses with a cheaper checksum default it
-    on), ``topology``
-    (``"broadcast"``: policy rank 0 to every rollout rank, one stream; ``"paired"``: policy
-    rank i to rollout rank i; ``"fanout"``: policy rank 0 to every rollout rank, each over a
-    pair of its own and sent a stream of its own, so that with destination layouts each
-    receives only its parts), ``host`` (the address this worker binds and advertises;
-    default ``127.0.0.1``; set it to the node's address for multi-node runs, or to ``"auto"``
-    where every worker gets the same options: see :mod:`ckpt_core._internal.node_address`),
-    ``auth_token``
-    (a shared secret checked at rendezvous, see :mod:`ckpt_core._internal.auth`; default: the
-    ``CKPT_CORE_AUTH_TOKEN`` environment variable, else none), ``release_after_refit`` and
-    ``shard_expert_weights`` (see :class:`~ckpt_core.transport.engine.BucketedEngine`).
+    Its options are ``BucketedEngine``'s plus ``topology`` (who feeds whom:
+    :class:`~ckpt_core.topology.Topology`; ``"broadcast"``: policy rank 0 to every rollout
+    rank, one stream; ``"paired"``: policy rank i to rollout rank i; ``"fanout"``: policy rank 0
+    to every rollout rank, each over a pair of its own and sent a stream of its own, so that
+    with destination layouts each receives only its parts), ``host`` (set it to the node's
+    address for multi-node runs, or to ``"auto"`` where every worker gets the same options: see
+    :mod:`ckpt_core._internal.node_address`) and ``auth_token`` (see
+    :mod:`ckpt_core._internal.auth`), all listed at the end of this docstring. ``checksum``
+    is off by default: on a host refit xxh3 takes a large share of the time
+    (docs/reliability.md); turn it on across hosts or to debug a transport.
 
     What a subclass provides: ``backend_name``, ``device_type`` and ``_new_data_group``
     (abstract: the group payloads move on); optionally ``_new_control_group``,
@@ -272,34 +273,37 @@ class DistributedEngine(BucketedEngine):
 
     device_type: ClassVar[str] = "cpu"
 
-    def __init__(
-        self,
-        *,
-        bucket_size: int,
-        topology: str = "broadcast",
-        host: str = "127.0.0.1",
-        timeout_s: float = 300.0,
-        checksum: bool = False,
-        auth_token: str | None = None,
-        release_after_refit: bool = False,
-        shard_expert_weights: bool = False,
-        borrow_received_tensors: bool = False,
-    ) -> None:
-        super().__init__(
-            bucket_size=bucket_size,
-            timeout_s=timeout_s,
-            checksum=checksum,
-            release_after_refit=release_after_refit,
-            shard_expert_weights=shard_expert_weights,
-            borrow_received_tensors=borrow_received_tensors,
-        )
+    options = BucketedEngine.options.extend(
+        Option.choice(
+            "topology",
+            Topology.BROADCAST,
+            TOPOLOGIES,
+            "who feeds whom: policy rank 0 to all (broadcast), policy i to rollout i (paired), or "
+            "policy rank 0 to each rollout rank over a pair and a stream of its own (fanout)",
+            convert=Topology,
+            agreed=True,
+        ),
+        Option.text(
+            "host",
+            "127.0.0.1",
+            "address to bind and advertise; \"auto\": this node's own (CKPT_CORE_HOST, else Ray's "
+            "node address, else the host name's)",
+            noun="address string",
+        ),
+        Option.text(
+            "auth_token",
+            None,
+            "shared secret every worker proves at rendezvous; default: CKPT_CORE_AUTH_TOKEN, else none",
+        ),
+    )
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
         owner = type(self).__name__
-        if auth_token is not None and (not isinstance(auth_token, str) or not auth_token):
-            raise EngineOptionError(f"{owner}: auth_token must be a non-empty string or None")
-        self._auth_token = resolve_token(auth_token)
-        self.topology = check_choice(owner, "topology", topology, TOPOLOGIES)
-        if not isinstance(host, str) or not host:
-            raise EngineOptionError(f"{owner}: host must be a non-empty address string, got {host!r}")
+        values = self.option_values
+        self._auth_token = resolve_token(values.auth_token)
+        self.topology: Topology = values.topology
+        host: str = values.host
         if host == AUTO:
             try:
                 host = node_address()
@@ -339,9 +343,6 @@ class DistributedEngine(BucketedEngine):
         return DistributedReceiver(link, self.bucket_size, self._buffer_device())
 
     # --- rendezvous --------------------------------------------------------------------
-
-    def _agreed_settings(self) -> dict[str, Any]:
-        return {**super()._agreed_settings(), "topology": self.topology}
 
     def _prepare_transport(self) -> dict[str, Any]:
         listener = socket.socket(_family(self.host), socket.SOCK_STREAM)
@@ -469,7 +470,7 @@ class DistributedEngine(BucketedEngine):
                 f"(timeout_s={self.timeout_s:g}): {_first_line(exc)}"
             ) from exc
         self._groups.extend({id(control): control, id(data): data}.values())
-        link = Link(control, data, rank=rank, size=size, broadcast=self.topology == "broadcast", peer=peer)
+        link = Link(control, data, rank=rank, size=size, broadcast=self.topology.shares_link, peer=peer)
         if data is not control:
             self._connect_data_group(link)
         return link
@@ -483,21 +484,7 @@ class DistributedEngine(BucketedEngine):
         link.wait([link.post(link.data, first, _PAYLOAD_TAG, phase)], self.timeout_s, phase)
 
     def _check_topology(self, train_world_size: int, rollout_world_size: int) -> None:
-        if self.topology == "paired" and train_world_size < rollout_world_size:
-            raise EngineOptionError(
-                f"{type(self).__name__}: topology='paired' sends policy rank i to rollout rank i, "
-                f"so it needs at least as many policy ranks as rollout ranks; got "
-                f"{train_world_size} policy and {rollout_world_size} rollout ranks. Use "
-                "topology='broadcast' instead."
-            )
-
-    def _separate_streams(self) -> bool:
-        return self.topology == "fanout"
-
-    def _destinations(self, worker_rank: int, train_world_size: int, rollout_world_size: int) -> list[int]:
-        if self.topology == "paired":
-            return [worker_rank] if worker_rank < rollout_world_size else []
-        return super()._destinations(worker_rank, train_world_size, rollout_world_size)
+        self.topology.check_world_sizes(type(self).__name__, train_world_size, rollout_world_size)
 
     def _connect_policy(
         self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
@@ -508,19 +495,21 @@ class DistributedEngine(BucketedEngine):
         store = self._connect_store(metadata, identity, members, (train_world_size, rollout_world_size))
         with self._reporting_failure(store, identity):
             sender: BucketSender | dict[int, BucketSender] | None = None
-            if self.topology == "broadcast":
-                if worker_rank == 0:
-                    peers = f"rollout ranks 0..{rollout_world_size - 1}"
-                    sender = self._new_sender(self._make_link(store, "broadcast", 0, rollout_world_size + 1, peers))
-            elif self.topology == "fanout":
-                if worker_rank == 0:
-                    sender = {
-                        rank: self._new_sender(self._make_link(store, f"fan{rank}", 0, 2, f"rollout rank {rank}"))
-                        for rank in range(rollout_world_size)
-                    }
-            elif worker_rank < rollout_world_size:
-                link = self._make_link(store, f"pair{worker_rank}", 0, 2, f"rollout rank {worker_rank}")
+            destinations = self.topology.destinations(worker_rank, train_world_size, rollout_world_size)
+            if not destinations:
+                pass  # this rank drains its weights
+            elif self.topology.shares_link:  # one group: this rank and every destination
+                peers = f"rollout ranks {destinations[0]}..{destinations[-1]}"
+                link = self._make_link(store, "broadcast", 0, len(destinations) + 1, peers)
                 sender = self._new_sender(link)
+            elif self.topology.separate_streams:  # a pair, and a stream, per destination
+                sender = {
+                    rank: self._new_sender(self._make_link(store, f"fan{rank}", 0, 2, f"rollout rank {rank}"))
+                    for rank in destinations
+                }
+            else:  # one pair
+                (rank,) = destinations
+                sender = self._new_sender(self._make_link(store, f"pair{rank}", 0, 2, f"rollout rank {rank}"))
         self._seal(store, identity, members)
         return sender
 
@@ -532,12 +521,13 @@ class DistributedEngine(BucketedEngine):
         identity = f"rollout rank {rollout_rank}"
         store = self._connect_store(metadata, identity, members, (train_world_size, rollout_world_size))
         with self._reporting_failure(store, identity):
-            if self.topology == "broadcast":
-                link = self._make_link(store, "broadcast", rollout_rank + 1, rollout_world_size + 1, "policy rank 0")
-            elif self.topology == "fanout":
-                link = self._make_link(store, f"fan{rollout_rank}", 1, 2, "policy rank 0")
+            source = f"policy rank {self.topology.source(rollout_rank)}"
+            if self.topology.shares_link:
+                link = self._make_link(store, "broadcast", rollout_rank + 1, rollout_world_size + 1, source)
+            elif self.topology.separate_streams:
+                link = self._make_link(store, f"fan{rollout_rank}", 1, 2, source)
             else:
-                link = self._make_link(store, f"pair{rollout_rank}", 1, 2, f"policy rank {rollout_rank}")
+                link = self._make_link(store, f"pair{rollout_rank}", 1, 2, source)
             receiver = self._new_receiver(link)
         self._seal(store, identity, members)
         return receiver

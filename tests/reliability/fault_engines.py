@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from ckpt_core._internal.wire import decode_header
-from ckpt_core.transport import BucketReceiver
+from ckpt_core.errors import EngineOptionError
+from ckpt_core.transport import BucketReceiver, Option
 from ckpt_gloo_cpu.engine import GlooCpuCheckpointEngine
 
 
@@ -60,13 +61,29 @@ class _CorruptingReceiver(BucketReceiver):
         self.inner.close()
 
 
+def _bucket_index(option: Option, owner: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise EngineOptionError(f"{owner}: {option.name} must be an int >= 0, got {value!r}")
+    return value
+
+
 class CorruptingGlooEngine(GlooCpuCheckpointEngine):
     """gloo_cpu whose rollout side corrupts one bit of bucket ``corrupt_bucket`` (default 1)
     in flight, as a bad NIC, DMA engine or memory would."""
 
-    def __init__(self, *, corrupt_bucket: int = 1, **options: Any) -> None:
+    options = GlooCpuCheckpointEngine.options.extend(
+        Option.custom(
+            "corrupt_bucket",
+            1,
+            "the bucket index whose bytes are corrupted on receipt",
+            parse=_bucket_index,
+            kind="int >= 0",
+        )
+    )
+
+    def __init__(self, **options: Any) -> None:
         super().__init__(**options)
-        self.corrupt_bucket = corrupt_bucket
+        self.corrupt_bucket: int = self.option_values.corrupt_bucket
 
     def _connect_rollout(
         self, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]

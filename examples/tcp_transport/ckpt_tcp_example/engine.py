@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 
 from ckpt_core.errors import EngineOptionError, PeerLostError, TransferError, TransferTimeoutError, WireFormatError
-from ckpt_core.transport import BackendCapabilities, BucketedEngine, BucketReceiver, BucketSender
+from ckpt_core.transport import BackendCapabilities, BucketedEngine, BucketReceiver, BucketSender, Option
 
 from .framing import Connection, Deadline
 
@@ -108,10 +108,8 @@ class TcpReceiver(BucketReceiver):
 class TcpExampleEngine(BucketedEngine):
     """Refit over TCP: policy rank 0 to every rollout rank (see the module docstring).
 
-    Options: ``bucket_size`` (bytes, via ``bucket_size_bytes``), ``host`` (the address this
-    worker listens on and advertises; default ``127.0.0.1``, set the node's address across
-    machines), ``timeout_s`` (bound on every wait, default 300), ``checksum`` (default on),
-    and NeMo RL's ``release_after_refit`` and ``shard_expert_weights`` (see ``BucketedEngine``).
+    Its options are ``BucketedEngine``'s plus ``host``, declared once in ``options`` and listed
+    at the end of this docstring; the constructor reads them from ``self.option_values``.
     """
 
     backend_name: ClassVar[str] = "tcp_example"
@@ -119,28 +117,18 @@ class TcpExampleEngine(BucketedEngine):
         devices=("cpu",), topologies=("broadcast",), placements=("colocated", "disaggregated")
     )
 
-    def __init__(
-        self,
-        *,
-        bucket_size: int,
-        host: str = "127.0.0.1",
-        timeout_s: float = 300.0,
-        checksum: bool = True,
-        release_after_refit: bool = False,
-        shard_expert_weights: bool = False,
-        borrow_received_tensors: bool = False,
-    ) -> None:
-        super().__init__(
-            bucket_size=bucket_size,
-            timeout_s=timeout_s,
-            checksum=checksum,
-            release_after_refit=release_after_refit,
-            shard_expert_weights=shard_expert_weights,
-            borrow_received_tensors=borrow_received_tensors,
+    options = BucketedEngine.options.extend(
+        Option.text(
+            "host",
+            "127.0.0.1",
+            "the address this worker listens on and advertises; set the node's address across machines",
+            noun="address string",
         )
-        if not isinstance(host, str) or not host:
-            raise EngineOptionError(f"TcpExampleEngine: host must be a non-empty address string, got {host!r}")
-        self.host = host
+    )
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)  # parses every option through `options` above
+        self.host: str = self.option_values.host
         self._listener: socket.socket | None = None
 
     # --- how peers meet ----------------------------------------------------------------------

@@ -20,7 +20,7 @@ from ckpt_core.errors import (
     TransferTimeoutError,
     UnknownBackendError,
 )
-from ckpt_core.options import MAX_TIMEOUT_S, check_bool, check_positive_number
+from ckpt_core.options import MAX_TIMEOUT_S, check_bool, check_bucket_size, check_count, check_positive_number
 from ckpt_core.orchestration.coordinator import CallResult, RefitFailedError
 from ckpt_vllm.errors import StaleWeightsError
 
@@ -47,7 +47,7 @@ class VllmRollout:
 
     Arguments are checked before the engine is called, each error naming the argument and the
     value: ``backend`` is a non-empty name (``UnknownBackendError``, as the registry says);
-    ``bucket_size_bytes`` an int >= 1 (``InvalidArgumentError``, as ``create_checkpoint_engine``
+    ``bucket_size_bytes`` an int >= 1 (``EngineOptionError``, as ``create_checkpoint_engine``
     says); the options are checked as engine options are (``EngineOptionError``):
     ``engine_kwargs`` a mapping with string keys (its options are the backend's, checked by it
     on every rank), ``rank_offset`` and ``host_pool_bytes`` ints >= 0, ``verify`` a bool,
@@ -69,10 +69,7 @@ class VllmRollout:
     ) -> None:
         if not isinstance(backend, str) or not backend:
             raise UnknownBackendError(f"VllmRollout: backend must be a non-empty string, got {backend!r}")
-        if not _is_count(bucket_size_bytes) or bucket_size_bytes < 1:
-            raise InvalidArgumentError(
-                f"VllmRollout: bucket_size_bytes must be a positive int (bytes), got {bucket_size_bytes!r}"
-            )
+        check_bucket_size(bucket_size_bytes, owner="VllmRollout")
         if engine_kwargs is not None and (
             not isinstance(engine_kwargs, Mapping) or not all(isinstance(key, str) for key in engine_kwargs)
         ):
@@ -81,9 +78,8 @@ class VllmRollout:
             )
         rpc_timeout_s = check_positive_number("VllmRollout", "rpc_timeout_s", rpc_timeout_s, MAX_TIMEOUT_S)
         check_bool("VllmRollout", "verify", verify)
-        for option, value in (("rank_offset", rank_offset), ("host_pool_bytes", host_pool_bytes)):
-            if not _is_count(value):
-                raise EngineOptionError(f"VllmRollout: {option} must be an int >= 0, got {value!r}")
+        check_count("VllmRollout", "rank_offset", rank_offset)
+        check_count("VllmRollout", "host_pool_bytes", host_pool_bytes)
         if not callable(getattr(llm, "collective_rpc", None)):
             raise InvalidArgumentError(
                 f"VllmRollout: llm must be a vllm.LLM built with worker_extension_cls=WORKER_EXTENSION (it calls "
@@ -231,10 +227,6 @@ class VllmRollout:
         return self.llm.generate(*args, **kwargs)
 
 
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def _check_index(name: str, value: Any) -> None:
-    if not _is_count(value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidArgumentError(f"VllmRollout: {name} must be an int >= 0, got {value!r}")

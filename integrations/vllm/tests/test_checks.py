@@ -157,9 +157,9 @@ GOOD: dict[str, Any] = {"backend": "gloo_cpu", "bucket_size_bytes": 1 << 20}
         ({"engine_kwargs": {1: 2}}, EngineOptionError, "engine_kwargs must be a dict of option name (str)"),
         ({"backend": ""}, UnknownBackendError, "backend must be a non-empty string, got ''"),
         ({"backend": None}, UnknownBackendError, "backend must be a non-empty string, got None"),
-        ({"bucket_size_bytes": 0}, InvalidArgumentError, "bucket_size_bytes must be a positive int (bytes), got 0"),
-        ({"bucket_size_bytes": "1MiB"}, InvalidArgumentError, "bucket_size_bytes must be a positive int"),
-        ({"bucket_size_bytes": True}, InvalidArgumentError, "bucket_size_bytes must be a positive int"),
+        ({"bucket_size_bytes": 0}, EngineOptionError, "bucket_size_bytes must be a positive int (bytes), got 0"),
+        ({"bucket_size_bytes": "1MiB"}, EngineOptionError, "bucket_size_bytes must be a positive int"),
+        ({"bucket_size_bytes": True}, EngineOptionError, "bucket_size_bytes must be a positive int"),
     ],
     ids=lambda value: str(value) if not isinstance(value, type) else value.__name__,
 )

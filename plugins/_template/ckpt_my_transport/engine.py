@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ckpt_core.transport import BackendCapabilities, BucketedEngine, BucketReceiver, BucketSender
+from ckpt_core.transport import BackendCapabilities, BucketedEngine, BucketReceiver, BucketSender, Option
 
 
 class MySender(BucketSender):
@@ -73,12 +73,16 @@ class MyReceiver(BucketReceiver):
 
 
 class MyTransportEngine(BucketedEngine):
-    """Options: ``bucket_size`` (bytes), ``timeout_s`` (bound on every wait), ``checksum``,
-    and NeMo RL's ``release_after_refit`` and ``shard_expert_weights`` (``BucketedEngine``
-    gives them their meaning; NeMo RL passes the first to every engine it builds).
+    """Takes ``BucketedEngine``'s options (``bucket_size``, ``timeout_s``, ``checksum``, NeMo
+    RL's ``release_after_refit`` and ``shard_expert_weights``, ``borrow_received_tensors``)
+    plus its own, declared once in ``options`` below; the generated list of all of them is
+    appended to this docstring.
 
-    Add your own options as keyword-only arguments with defaults, validated here with a clear
-    ``EngineOptionError``; ckpt-core checks their names against this signature.
+    Declare each option of your own there (``Option.flag``, ``.number``, ``.size``, ``.choice``,
+    ``.text`` or ``.custom`` with a ``parse`` function raising ``EngineOptionError``), never as
+    ``__init__`` arguments: ckpt-core's constructor parses every keyword through the schema,
+    and the registry, ``ckpt-engine list``, the Ray launcher and the conformance kit read it.
+    Mark ``agreed=True`` what every worker must set alike (it is compared at init).
     """
 
     backend_name: ClassVar[str] = "my_transport"  # the entry-point name; stamped into metadata
@@ -86,24 +90,16 @@ class MyTransportEngine(BucketedEngine):
         devices=("cpu",), topologies=("broadcast",), placements=("colocated",)
     )
 
-    def __init__(
-        self,
-        *,
-        bucket_size: int,
-        timeout_s: float = 300.0,
-        checksum: bool = True,
-        release_after_refit: bool = False,
-        shard_expert_weights: bool = False,
-        borrow_received_tensors: bool = False,
-    ) -> None:
-        super().__init__(
-            bucket_size=bucket_size,
-            timeout_s=timeout_s,
-            checksum=checksum,
-            release_after_refit=release_after_refit,
-            shard_expert_weights=shard_expert_weights,
-            borrow_received_tensors=borrow_received_tensors,
-        )
+    # TODO: your options (or delete this to take only BucketedEngine's). Narrow an inherited
+    # one with .replace("timeout_s", default=60.0).
+    options = BucketedEngine.options.extend(
+        Option.number("connect_timeout_s", 30.0, "bound on connecting to the peers at init"),
+    )
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)  # every option parsed through `options`
+        # Read parsed values from self.option_values; keep your own state here.
+        self.connect_timeout_s: float = self.option_values.connect_timeout_s
 
     def _prepare_transport(self) -> dict[str, Any]:
         # TODO: open what peers need to reach this worker (its role is not known yet) and

@@ -43,7 +43,8 @@ from ckpt_core.transport import (
     BucketReceiver,
     BucketSender,
     Checksum,
-    check_choice,
+    Option,
+    Topology,
     device_payload_checksum,
     payload_checksum,
 )
@@ -63,7 +64,7 @@ from .control import (
 from .transport import IpcReceiver, IpcSender
 
 NUM_SLOTS = 2
-TOPOLOGIES = ("broadcast", "fanout")
+TOPOLOGIES = (Topology.BROADCAST.value, Topology.FANOUT.value)
 _ROLLOUT_PEER = "policy rank 0"
 
 
@@ -89,39 +90,68 @@ def _parse_device(owner: str, device: Any) -> torch.device:
     return torch.device("cpu") if parsed.type == "cpu" else parsed
 
 
+def _device_option(option: Option, owner: str, device: Any) -> torch.device:
+    return _parse_device(owner, device)
+
+
+def _socket_dir_option(option: Option, owner: str, socket_dir: Any) -> str | None:
+    if socket_dir is None:
+        return None
+    if not isinstance(socket_dir, str) or not socket_dir:
+        raise EngineOptionError(f"{owner}: socket_dir must be a directory path string, got {socket_dir!r}")
+    problem = check_socket_parent(socket_dir)
+    if problem:
+        raise EngineOptionError(f"{owner}: socket_dir {problem}")
+    return socket_dir
+
+
 class CudaIpcCheckpointEngine(BucketedEngine):
     """Refit between processes on one node through shared slot buffers (see the module docstring).
 
-    Options:
-
-    * ``bucket_size`` (bytes, via ``bucket_size_bytes``): size of each of the two slots; every
-      worker must use the same value.
-    * ``device``: ``"cpu"`` (default: shared host memory, runs anywhere), ``"cuda"`` (this
-      process's current CUDA device) or ``"cuda:N"``. Every worker must use the same kind; a
-      rollout maps the policy's buffers in place, so its device must be the policy's physical
-      GPU (compared by UUID at init: ``EngineOptionError`` naming both GPUs otherwise; the
-      index may differ per process). Rollouts receive tensors on this device.
-    * ``timeout_s``: bound on every wait (connecting, each header, each release), default 300.
-    * ``checksum``: a digest of each bucket, computed by the policy and verified by every
-      rollout: xxh3-64 for host slots, ``ckpt_core._internal.device_checksum`` (computed on the GPU) for
-      CUDA slots. Default off, unlike the network transports: the bytes never cross a wire,
-      and on a path as fast as memory one more read of every byte on each side is not cheap
-      (measured in the plugin README).
-    * ``socket_dir``: where the private control directory is made (default: the system temp
-      directory); must be short enough for a Unix socket path.
-    * ``topology``: ``"broadcast"`` (default: every rollout rank maps the same two slots and
-      reads the same bytes) or ``"fanout"`` (every rollout rank maps two slots of its own and
-      is sent a stream of its own: with destination layouts, only its parts; the policy then
-      holds two slots per rollout rank).
-    * ``release_after_refit``, ``shard_expert_weights``: NeMo RL's, see
-      :class:`ckpt_core.transport.engine.BucketedEngine`. The slot buffers are shared with the peers of
-      one ``init``, so ``finalize()`` always unmaps them; ``release_after_refit`` also empties
-      torch's CUDA cache on a CUDA device.
+    Its options are :class:`~ckpt_core.transport.engine.BucketedEngine`'s plus ``device``,
+    ``socket_dir`` and ``topology`` (``"broadcast"`` or ``"fanout"``), all listed at the end of
+    this docstring. ``bucket_size`` is the size of each of the two slots. ``device``: every
+    worker must use the same kind; a rollout maps the policy's buffers in place, so its device
+    must be the policy's physical GPU (compared by UUID at init: ``EngineOptionError`` naming
+    both GPUs otherwise; the index may differ per process). ``checksum`` (off by default, as on
+    every engine: the bytes never cross a wire, and on a path as fast as memory one more read
+    of every byte on each side is not cheap) is xxh3-64 for host slots and the device checksum
+    for CUDA slots. ``topology="fanout"`` gives every rollout rank two slots of its own (the
+    policy then holds two per rollout rank) and is host-only for now. The slot buffers are
+    shared with the peers of one ``init``, so ``finalize()`` always unmaps them;
+    ``release_after_refit`` also empties torch's CUDA cache on a CUDA device.
     """
 
     backend_name: ClassVar[str] = "cuda_ipc"
     capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
         devices=("cpu", "cuda"), topologies=TOPOLOGIES, placements=("colocated",)
+    )
+    options = BucketedEngine.options.extend(
+        Option.custom(
+            "device",
+            "cpu",
+            'where the slots live: "cpu" (shared host memory, runs anywhere), "cuda" (the '
+            'current CUDA device) or "cuda:N"; the same kind on every worker',
+            parse=_device_option,
+            kind="'cpu' | 'cuda' | 'cuda:N'",
+        ),
+        Option.custom(
+            "socket_dir",
+            None,
+            "where each worker's private control directory is made; the socket path must fit in 107 bytes",
+            parse=_socket_dir_option,
+            kind="directory path or None",
+            shown_default="system temp dir",
+        ),
+        Option.choice(
+            "topology",
+            Topology.BROADCAST,
+            TOPOLOGIES,
+            "broadcast: every rollout rank maps the same two slots; fanout: two slots and a stream "
+            "per rollout rank (host slots only, for now)",
+            convert=Topology,
+            agreed=True,
+        ),
     )
 
     @classmethod
@@ -135,50 +165,31 @@ class CudaIpcCheckpointEngine(BucketedEngine):
             return f"needs Linux (memfd_create and descriptor passing); this is {sys.platform}"
         return None
 
-    def __init__(
-        self,
-        *,
-        bucket_size: int,
-        device: str = "cpu",
-        timeout_s: float = 300.0,
-        checksum: bool = False,
-        socket_dir: str | None = None,
-        topology: str = "broadcast",
-        release_after_refit: bool = False,
-        shard_expert_weights: bool = False,
-        borrow_received_tensors: bool = False,
-    ) -> None:
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
         owner = type(self).__name__
-        self.topology = check_choice(owner, "topology", topology, TOPOLOGIES)
+        values = self.option_values
+        self.topology: Topology = values.topology
         reason = self.unavailable_reason()
         if reason:
             raise BackendUnavailableError(f"the cuda_ipc backend cannot run here: {reason}")
-        self.device = _parse_device(owner, device)
-        if self.topology == "fanout" and self.device.type == "cuda":
+        self.device: torch.device = values.device
+        if self.topology.separate_streams and self.device.type == "cuda":
             # Fanout packs on one thread per destination: those are not ordered after the CUDA
             # stream the caller produced the weights on, and the path has not run on a GPU yet.
             raise EngineOptionError(
-                f"{owner}: topology='fanout' is host-only for now (device='cpu'); with device={device!r} "
+                f"{owner}: topology='fanout' is host-only for now (device='cpu'); with device={str(self.device)!r} "
                 "use topology='broadcast'"
             )
         if self.device.type == "cuda":
             self._check_cuda(owner)
-        super().__init__(
-            bucket_size=bucket_size,
-            timeout_s=timeout_s,
-            checksum=checksum,
-            release_after_refit=release_after_refit,
-            shard_expert_weights=shard_expert_weights,
-            borrow_received_tensors=borrow_received_tensors,
-        )
+        socket_dir: str | None = values.socket_dir
         if socket_dir is None:
             socket_dir = tempfile.gettempdir()
-        if not isinstance(socket_dir, str) or not socket_dir:
-            raise EngineOptionError(f"{owner}: socket_dir must be a directory path string, got {socket_dir!r}")
-        problem = check_socket_parent(socket_dir)
-        if problem:
-            raise EngineOptionError(f"{owner}: socket_dir {problem}")
-        self.socket_dir = socket_dir
+            problem = check_socket_parent(socket_dir)
+            if problem:
+                raise EngineOptionError(f"{owner}: socket_dir {problem}")
+        self.socket_dir: str = socket_dir
         self._listener: Listener | None = None
         self._host_slots: list[HostSlots] = []  # this engine's host mappings, until unmapped
 
@@ -194,12 +205,6 @@ class CudaIpcCheckpointEngine(BucketedEngine):
                 f"{owner}: device={str(self.device)!r}, but only {count} CUDA device(s) are visible"
             )
         import_cupy()
-
-    def _separate_streams(self) -> bool:
-        return self.topology == "fanout"
-
-    def _agreed_settings(self) -> dict[str, Any]:
-        return {**super()._agreed_settings(), "topology": self.topology}
 
     def _buffer_device(self) -> torch.device:
         if self.device.type == "cuda" and self.device.index is None:
@@ -257,8 +262,9 @@ class CudaIpcCheckpointEngine(BucketedEngine):
     def _connect_policy(
         self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
     ) -> BucketSender | dict[int, BucketSender] | None:
-        self._check_peers(train_world_size, metadata, moves_data=worker_rank == 0)
-        if worker_rank != 0:
+        drains = self.topology.drains(worker_rank, train_world_size, rollout_world_size)
+        self._check_peers(train_world_size, metadata, moves_data=not drains)
+        if drains:
             self._close_listener()
             return None
         if self._listener is None:
@@ -266,7 +272,8 @@ class CudaIpcCheckpointEngine(BucketedEngine):
                 f"{type(self).__name__}: a failed init closed this worker's control socket; call "
                 "finalize(), then prepare() and init again on every worker"
             )
-        ranks = range(rollout_world_size) if self.topology == "fanout" else [None]
+        destinations = self.topology.destinations(worker_rank, train_world_size, rollout_world_size)
+        ranks: list[int | None] = list(destinations) if self.topology.separate_streams else [None]
         slots: dict[int | None, HostSlots | CudaSlots] = {}
         try:
             for rank in ranks:  # broadcast: one pair of slots for all; fanout: a pair per rank
@@ -290,12 +297,12 @@ class CudaIpcCheckpointEngine(BucketedEngine):
         for allocated in slots.values():
             if isinstance(allocated, HostSlots):
                 allocated.release_fd()
-        if self.topology == "fanout":
+        if self.topology.separate_streams:
             return {
                 rank: IpcSender(
                     slots[rank], [channels[rank]], wait_for_peers_on_close=isinstance(slots[rank], CudaSlots)
                 )
-                for rank in range(rollout_world_size)
+                for rank in destinations
             }
         (shared,) = slots.values()
         return IpcSender(shared, channels, wait_for_peers_on_close=isinstance(shared, CudaSlots))

@@ -7,69 +7,51 @@ from typing import Any, ClassVar
 import torch
 
 from ckpt_core.errors import EngineOptionError
-from ckpt_core.transport import BackendCapabilities, DistributedEngine
+from ckpt_core.transport import TOPOLOGIES, BackendCapabilities, DistributedEngine, Option
+
+
+def _host_device(option: Option, owner: str, device: Any) -> str:
+    """The ``device`` option: only the host (``"cpu"``, ``"cpu:0"`` or such a ``torch.device``)."""
+    parsed = None
+    if isinstance(device, (str, torch.device)):
+        try:
+            parsed = torch.device(device)
+        except RuntimeError:
+            pass
+    if parsed is None or parsed.type != "cpu" or parsed.index not in (None, 0):
+        raise EngineOptionError(
+            f"{owner}: device must be 'cpu', got {device!r}: gloo_cpu moves weights through host "
+            "memory; for GPU buffers use the nccl backend (across GPUs) or cuda_ipc (processes "
+            "sharing a GPU)"
+        )
+    return "cpu"
 
 
 class GlooCpuCheckpointEngine(DistributedEngine):
     """Moves buckets between host buffers with Gloo; headers and payloads share one group.
 
-    Options: ``bucket_size`` (bytes), ``device`` (where the bucket buffers and received
-    tensors live: ``"cpu"``, the only value; accepted because NeMo RL passes it), ``topology``
-    (``"broadcast"`` | ``"paired"`` | ``"fanout"``), ``host`` (address to bind and advertise, default
-    ``127.0.0.1``; ``"auto"``: this node's own), ``timeout_s`` (every wait, default 300), ``checksum`` (default off:
-    measured, not cheap), ``auth_token``, ``release_after_refit``, ``shard_expert_weights``.
-    See :class:`ckpt_core.transport.torch_distributed.DistributedEngine`.
+    Its options are :class:`~ckpt_core.transport.torch_distributed.DistributedEngine`'s plus
+    ``device`` (``"cpu"``, the only value: accepted because NeMo RL passes one), all listed at
+    the end of this docstring.
     """
 
     backend_name: ClassVar[str] = "gloo_cpu"
     device_type: ClassVar[str] = "cpu"
     capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
         devices=("cpu",),
-        topologies=("broadcast", "paired", "fanout"),
+        topologies=TOPOLOGIES,
         placements=("colocated", "disaggregated"),
     )
-
-    def __init__(
-        self,
-        *,
-        bucket_size: int,
-        device: str = "cpu",
-        topology: str = "broadcast",
-        host: str = "127.0.0.1",
-        timeout_s: float = 300.0,
-        checksum: bool = False,
-        auth_token: str | None = None,
-        release_after_refit: bool = False,
-        shard_expert_weights: bool = False,
-        borrow_received_tensors: bool = False,
-    ) -> None:
-        if not _is_host_device(device):
-            raise EngineOptionError(
-                f"{type(self).__name__}: device must be 'cpu', got {device!r}: gloo_cpu moves weights "
-                "through host memory; for GPU buffers use the nccl backend (across GPUs) or cuda_ipc "
-                "(processes sharing a GPU)"
-            )
-        super().__init__(
-            bucket_size=bucket_size,
-            topology=topology,
-            host=host,
-            timeout_s=timeout_s,
-            checksum=checksum,
-            auth_token=auth_token,
-            release_after_refit=release_after_refit,
-            shard_expert_weights=shard_expert_weights,
-            borrow_received_tensors=borrow_received_tensors,
+    options = DistributedEngine.options.extend(
+        Option.custom(
+            "device",
+            "cpu",
+            "where bucket buffers and received tensors live: host memory only (NeMo RL passes a "
+            "device); for GPUs use nccl or cuda_ipc",
+            parse=_host_device,
+            kind="'cpu'",
         )
+    )
 
     def _new_data_group(self, store: Any, rank: int, size: int) -> Any:
         return self._new_control_group(store, rank, size)
-
-
-def _is_host_device(device: Any) -> bool:
-    if not isinstance(device, (str, torch.device)):
-        return False
-    try:
-        parsed = torch.device(device)
-    except RuntimeError:
-        return False
-    return parsed.type == "cpu" and parsed.index in (None, 0)

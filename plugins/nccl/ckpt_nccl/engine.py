@@ -10,11 +10,12 @@ broadcast from the link's sender, ordered after the sender's device work).
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 import torch
 
-from ckpt_core.errors import BackendUnavailableError
+from ckpt_core.errors import BackendUnavailableError, EngineOptionError
 from ckpt_core.transport import (
     BackendCapabilities,
     BucketReceiver,
@@ -23,26 +24,56 @@ from ckpt_core.transport import (
     DistributedEngine,
     DistributedSender,
     Link,
+    Option,
+    Topology,
     device_payload_checksum,
 )
 
 from .cuda import CudaPlatform, PackStream, Platform, use_clean_up_only_mode
-from .options import check_options
 from .transport import NcclSender, PayloadGroup, check_distinct_gpus, link_members
+
+NCCL_TOPOLOGIES = (Topology.BROADCAST.value, Topology.PAIRED.value)
+"""DistributedEngine's topologies but ``"fanout"`` (a communicator per destination: not yet
+tested on GPUs)."""
+
+_CUDA_DEVICE = re.compile(r"cuda(?::(\d+))?")
+
+
+def parse_device(owner: str, device: Any) -> int | None:
+    """The CUDA device index named by ``device`` (``"cuda"`` -> ``None``: the current device
+    at construction; ``"cuda:1"`` -> 1). Accepts ``"cuda"``, ``"cuda:N"`` and ``torch.device``
+    objects of type ``cuda``; anything else is an ``EngineOptionError``. Needs no CUDA: whether
+    ``cuda:N`` exists here is the platform's question, asked after every option is checked."""
+    if isinstance(device, torch.device):
+        if device.type != "cuda":
+            raise EngineOptionError(
+                f"{owner}: device must be a CUDA device ('cuda' or 'cuda:N'), got {device!r}: "
+                "the nccl backend keeps its bucket buffers on a GPU"
+            )
+        return device.index
+    if isinstance(device, str):
+        match = _CUDA_DEVICE.fullmatch(device.strip())
+        if match:
+            return None if match.group(1) is None else int(match.group(1))
+    raise EngineOptionError(
+        f"{owner}: device must be 'cuda' (the current CUDA device) or 'cuda:N' with N >= 0, got {device!r}"
+    )
+
+
+def _device_option(option: Option, owner: str, device: Any) -> int | None:
+    return parse_device(owner, device)
 
 
 class NcclCheckpointEngine(DistributedEngine):
     """Moves buckets between GPU buffers with NCCL; headers travel on a Gloo control group.
 
-    Options: ``bucket_size`` (bytes; each side holds two buffers of it on its GPU),
-    ``topology`` (``"broadcast"`` | ``"paired"``), ``host`` (address to bind and advertise,
-    default ``127.0.0.1``; ``"auto"``: this node's own), ``timeout_s`` (every wait, default 300), ``checksum`` (a device
-    checksum per bucket, verified on the receiving GPU; default on), ``device`` (``"cuda"``
-    for the current CUDA device, or ``"cuda:N"``), ``release_after_refit`` (``finalize()`` also
-    returns the freed buffer memory from torch's cache to the device, for an inference engine
-    that sizes its KV cache from free memory; default off), ``shard_expert_weights`` (see
-    :class:`~ckpt_core.transport.engine.BucketedEngine`), ``auth_token`` (shared secret checked at
-    rendezvous, see :mod:`ckpt_core._internal.auth`).
+    Its options are :class:`~ckpt_core.transport.torch_distributed.DistributedEngine`'s, with
+    ``topology`` narrowed to ``"broadcast"`` and ``"paired"``, plus ``device``; all are listed at
+    the end of this docstring and checked before CUDA is looked for, so a bad config is named
+    as such on any machine. ``release_after_refit`` also returns the freed buffer memory from
+    torch's cache to the device (for an inference engine that sizes its KV cache from free
+    memory). ``checksum`` is off by default, as on every engine; on, each bucket carries a
+    device checksum, verified on the receiving GPU.
 
     Checksums are :func:`ckpt_core._internal.device_checksum.device_payload_checksum` (computed on the
     GPU), not the core's host-memory xxh3.
@@ -62,57 +93,31 @@ class NcclCheckpointEngine(DistributedEngine):
     )
     platform: ClassVar[Platform] = CudaPlatform()
 
+    options = DistributedEngine.options.replace("topology", choices=NCCL_TOPOLOGIES).extend(
+        Option.custom(
+            "device",
+            "cuda",
+            'GPU of the bucket buffers: "cuda" (the current device at construction) or "cuda:N"',
+            parse=_device_option,
+            kind="'cuda' | 'cuda:N'",
+        )
+    )
+
     @classmethod
     def unavailable_reason(cls) -> str | None:
         return cls.platform.unavailable_reason()
 
-    def __init__(
-        self,
-        *,
-        bucket_size: int,
-        topology: str = "broadcast",
-        host: str = "127.0.0.1",
-        timeout_s: float = 300.0,
-        checksum: bool = True,
-        device: str = "cuda",
-        release_after_refit: bool = False,
-        shard_expert_weights: bool = False,
-        borrow_received_tensors: bool = False,
-        auth_token: str | None = None,
-    ) -> None:
-        owner = type(self).__name__
-        options = check_options(
-            owner,
-            bucket_size=bucket_size,
-            topology=topology,
-            host=host,
-            timeout_s=timeout_s,
-            checksum=checksum,
-            device=device,
-            release_after_refit=release_after_refit,
-            shard_expert_weights=shard_expert_weights,
-            auth_token=auth_token,
-        )
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)  # every option checked, before CUDA is looked for
         reason = self.unavailable_reason()
         if reason:
             raise BackendUnavailableError(
                 f"the nccl backend cannot run here: {reason}. It needs a CUDA build of torch "
                 "with NCCL and a visible GPU; use the gloo_cpu backend for host-only workers."
             )
-        self.device: torch.device = self.platform.resolve_device(owner, options.device_index)
+        self.device: torch.device = self.platform.resolve_device(type(self).__name__, self.option_values.device)
         # Before this engine builds any NCCL group, and at most once per process.
         use_clean_up_only_mode()
-        super().__init__(
-            bucket_size=options.bucket_size,
-            topology=options.topology,
-            host=options.host,
-            timeout_s=options.timeout_s,
-            checksum=options.checksum,
-            auth_token=auth_token,
-            release_after_refit=options.release_after_refit,
-            shard_expert_weights=options.shard_expert_weights,
-            borrow_received_tensors=borrow_received_tensors,
-        )
         self._pack_stream: PackStream | None = None
 
     # --- how peers meet ----------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ckpt_core.errors import EngineOptionError, WireFormatError
-from ckpt_core.transport import DistributedSender, Link
+from ckpt_core.transport import DistributedSender, Link, Topology
 
 from .cuda import PackStream
 
@@ -82,18 +82,20 @@ class NcclSender(DistributedSender):
             super().post(slot, header, nbytes, timeout_s, direct)
 
 
-def link_members(topology: str, role: str, rank: int, train_world_size: int, rollout_world_size: int) -> list[int]:
-    """Indices into the metadata list of the workers on this worker's link (empty: no link).
-
-    ``broadcast``: policy rank 0 and every rollout rank. ``paired``: policy rank ``i`` and
-    rollout rank ``i``; a policy rank without a partner has no link.
-    """
-    rollouts = [train_world_size + r for r in range(rollout_world_size)]
-    if topology == "broadcast":
-        return [] if role == "policy" and rank != 0 else [0, *rollouts]
-    if role == "policy" and rank >= rollout_world_size:
+def link_members(
+    topology: Topology | str, role: str, rank: int, train_world_size: int, rollout_world_size: int
+) -> list[int]:
+    """Indices into the metadata list of the workers on this worker's links (empty: none), as
+    ``topology`` says who feeds whom: a feeding policy rank and its destinations, or a rollout
+    rank, its source and (where they share one group) the source's other destinations."""
+    topology = Topology.parse(topology)
+    source = rank if role == "policy" else topology.source(rank)
+    destinations = topology.destinations(source, train_world_size, rollout_world_size)
+    if role == "rollout" and not topology.shares_link:
+        destinations = [rank]
+    if not destinations:
         return []
-    return [rank, train_world_size + rank]
+    return [source, *(train_world_size + destination for destination in destinations)]
 
 
 def check_distinct_gpus(

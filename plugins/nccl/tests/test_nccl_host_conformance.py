@@ -24,7 +24,8 @@ class TestNcclOnHostConformance(TransportConformance):
     backend = "nccl_host_platform:HostNcclEngine"
     worker_env = {"PYTHONPATH": str(Path(__file__).resolve().parent)}
     # One-to-many broadcast; and a pair whose second policy rank has no receiver and drains.
-    # The device checksum is on (the default) in both.
+    # The device checksum (off by default) is on in both.
+    engine_options = {"checksum": True}
     shapes = (Shape(1, 2, "broadcast"), Shape(2, 1, "paired"))
 
 

@@ -12,7 +12,7 @@ from ckpt_core.errors import BackendUnavailableError, EngineOptionError
 from ckpt_core.registry import check_engine_kwargs
 from ckpt_nccl import NcclCheckpointEngine
 from ckpt_nccl.cuda import CudaPlatform
-from ckpt_nccl.options import check_options, parse_device
+from ckpt_nccl.engine import parse_device
 
 GOOD = dict(
     bucket_size=1 << 20,
@@ -53,8 +53,8 @@ def test_bad_device_names_are_refused(device):
 @pytest.mark.parametrize(
     ("option", "value", "message"),
     [
-        ("bucket_size", 0, "bucket_size must be an int >= 1"),
-        ("bucket_size", True, "bucket_size must be an int >= 1"),
+        ("bucket_size", 0, "bucket_size must be a positive int"),
+        ("bucket_size", True, "bucket_size must be a positive int"),
         ("topology", "ring", "topology must be one of 'broadcast', 'paired'"),
         ("host", "", "host must be a non-empty address string"),
         ("host", None, "host must be a non-empty address string"),
@@ -69,13 +69,19 @@ def test_bad_device_names_are_refused(device):
     ],
 )
 def test_each_bad_option_is_named(option, value, message):
+    # The engine's schema checks every value before CUDA is looked for, so on any machine.
     with pytest.raises(EngineOptionError, match=message):
-        check_options("NcclCheckpointEngine", **{**GOOD, option: value})
+        NcclCheckpointEngine(**{**GOOD, option: value})
 
 
 def test_good_options_are_kept():
-    options = check_options("E", **{**GOOD, "device": "cuda:1", "topology": "paired", "timeout_s": 5})
-    assert (options.device_index, options.topology, options.timeout_s) == (1, "paired", 5.0)
+    values = NcclCheckpointEngine.options.parse("E", {**GOOD, "device": "cuda:1", "topology": "paired", "timeout_s": 5})
+    assert (values.device, values.topology, values.timeout_s) == (1, "paired", 5.0)
+
+
+def test_checksum_is_off_by_default_like_every_engine():
+    assert NcclCheckpointEngine.options["checksum"].default is False
+    assert HostNcclEngine(bucket_size=4096).checksum is False
 
 
 @pytest.mark.skipif(not NO_GPU, reason="checks the error raised where CUDA or NCCL is missing")
