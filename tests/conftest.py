@@ -6,6 +6,9 @@ their helpers as ``helpers.<module>``.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,3 +27,12 @@ def rng() -> torch.Generator:
 def tests_dir() -> Path:
     """This folder, for subprocesses that import ``helpers``."""
     return TESTS_DIR
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A fresh directory with a short path, for Unix sockets (pytest's ``tmp_path``, under
+    xdist, can exceed the 107 bytes a socket's path may hold)."""
+    path = Path(tempfile.mkdtemp(prefix="ckpt-t-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -2,16 +2,19 @@
 
 Where a transport reaches each destination separately (``_connect_policy`` returned a sender
 per rollout rank), every destination gets its own refit: its own buckets, carrying what its
-layout keeps. The weights generator is still consumed once, on the calling thread (it may run
-collectives or CUDA work that belongs there): a dispatcher hands each weight's selection to
-every destination's stream through a bounded queue, and each stream runs the ordinary
-:func:`~ckpt_core._internal.pipeline.send_refit` on a thread of its own, so the streams
-progress together and a slow destination holds back only the dispatcher's next hand-over.
+layout keeps. The weights generator is still consumed once, on the calling thread (the
+engine's refit thread, which carries the caller's CUDA device): a dispatcher there hands each
+weight's selection to every destination's stream through a bounded queue, and each stream
+runs the ordinary (blocking) :func:`~ckpt_core._internal.pipeline.send_refit` on a thread of
+its own, so the streams progress together and a slow destination holds back only the
+dispatcher's next hand-over.
 
 Failure of any part fails all of it, and no stream is told its refit is complete while another
 failed: a generator or layout error, or a stream's own failure (a lost rollout), is passed to
 every stream still running, which aborts its refit (its receiver sees ``RemoteRefitError``
-naming the cause). Every wait is bounded by ``timeout_s``. Observers hear the refit start and
+naming the cause); so does the caller's ``cancel``, checked before each weight is taken.
+Every wait is bounded by ``timeout_s``, and every stream's thread is joined before
+:func:`send_refit_each` returns or raises (within ``3 * timeout_s``). Observers hear the refit start and
 end once, on the caller's thread; bucket events of every stream are passed on there too, with
 bucket indices counted within each stream. A destination whose layout keeps nothing of a long
 run of weights waits for its next one; each wait is bounded by ``timeout_s``, so a layout
@@ -20,17 +23,17 @@ must not starve a rank for longer than that.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from ckpt_core._internal.bucket_io import BucketSender
+from ckpt_core._internal.pipeline import RefitCancelled
 from ckpt_core.errors import TransferTimeoutError
 from ckpt_core.hooks import RefitNotifier
 from ckpt_core.stats import RefitContext, RefitStats
@@ -51,7 +54,7 @@ class _RefitAborted(Exception):
 class _StreamNotifier(RefitNotifier):
     """A stream's notifier: the refit's start and end are announced once, by the dispatcher on
     the caller's thread; a stream's bucket events are queued for the dispatcher to pass on,
-    on that thread too (hooks run on the worker's own thread)."""
+    on that thread too (hooks run on the engine's refit thread, never on a stream's)."""
 
     def __init__(self, parent: RefitNotifier, events: queue.SimpleQueue[tuple[RefitContext, int, int, int]]) -> None:
         super().__init__(parent.backend, parent.role, parent.rank)
@@ -134,19 +137,22 @@ class _Stream:
                 pass
 
 
-async def send_refit_each(
+def send_refit_each(
     weights: Iterable[tuple[str, torch.Tensor]],
     destinations: Mapping[int, Destination],
     *,
-    send: Callable[..., Coroutine[Any, Any, RefitStats]],
+    send: Callable[..., RefitStats],
     context: RefitContext,
     notifier: RefitNotifier,
     timeout_s: float,
+    cancel: threading.Event | None = None,
     **send_options: Any,
 ) -> dict[int, RefitStats]:
     """Send one refit to every destination (rollout rank -> :class:`Destination`), each its
     own stream through ``send`` (:func:`~ckpt_core._internal.pipeline.send_refit`, given
-    ``send_options``); returns each destination's statistics."""
+    ``send_options``); returns each destination's statistics. Blocking, like ``send``.
+    ``cancel``: once set, the refit stops with ``RefitCancelled`` before the next weight, and
+    every stream aborts its receiver's refit."""
     streams = [_Stream(rank, destination, timeout_s) for rank, destination in destinations.items()]
     events: queue.SimpleQueue[tuple[RefitContext, int, int, int]] = queue.SimpleQueue()
     stream_notifier = _StreamNotifier(notifier, events)
@@ -161,6 +167,8 @@ async def send_refit_each(
         stream.thread.start()
     try:
         for name, tensor in weights:
+            if cancel is not None and cancel.is_set():
+                raise RefitCancelled(f"refit {context.refit_index} was cancelled by its caller")
             deadline = time.monotonic() + timeout_s
             for stream in streams:
                 selected = stream.destination.select(name, tensor)
@@ -168,7 +176,6 @@ async def send_refit_each(
                     stream.hand_over((name, selected), deadline=deadline)
             _raise_first_error(streams)  # a failed stream fails the refit before the next weight
             _pass_on(events, notifier)
-            await asyncio.sleep(0)  # the caller's event loop breathes between weights
         for stream in streams:
             stream.destination.finish()
         _raise_first_error(streams)  # no stream is told the refit is complete if one failed
@@ -208,24 +215,21 @@ def _pass_on(events: queue.SimpleQueue[tuple[RefitContext, int, int, int]], noti
 
 def _run_stream(
     stream: _Stream,
-    send: Callable[..., Coroutine[Any, Any, RefitStats]],
+    send: Callable[..., RefitStats],
     context: RefitContext,
     notifier: RefitNotifier,
     timeout_s: float,
     send_options: dict[str, Any],
 ) -> None:
     try:
-        stats = asyncio.run(
-            send(
-                stream.weights(),
-                stream.destination.sender,
-                context=context,
-                notifier=notifier,
-                timeout_s=timeout_s,
-                **send_options,
-            )
+        stream.stats = send(
+            stream.weights(),
+            stream.destination.sender,
+            context=context,
+            notifier=notifier,
+            timeout_s=timeout_s,
+            **send_options,
         )
-        stream.stats = stats
     except BaseException as exc:  # noqa: BLE001 - handed to the dispatcher
         stream.error = exc
 

@@ -40,13 +40,13 @@ tensor later than the first refit did (:mod:`ckpt_core._internal.replay`).
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import dataclasses
 import itertools
 import struct
+import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -120,6 +120,13 @@ def _timed(stats: RefitStats, field: str) -> Iterator[None]:
         setattr(stats, field, getattr(stats, field) + time.perf_counter() - start)
 
 
+class RefitCancelled(Exception):
+    """The caller cancelled the refit (the task awaiting it was cancelled, or the consumer of
+    the batches stopped): raised where the pipeline next checks, before a weight is taken and
+    before each bucket is posted or received. Not a ``TransferError``: a sender then posts an
+    abort header, so its receivers fail with ``RemoteRefitError``."""
+
+
 @dataclasses.dataclass
 class _Refit:
     """What both sides of one refit share."""
@@ -130,9 +137,15 @@ class _Refit:
     stats: RefitStats
     timeout_s: float
     checksum: Checksum | None
+    cancel: threading.Event | None = None
+
+    def check_cancel(self) -> None:
+        """``RefitCancelled`` once the caller set ``cancel``."""
+        if self.cancel is not None and self.cancel.is_set():
+            raise RefitCancelled(f"refit {self.context.refit_index} was cancelled by its caller")
 
 
-async def send_refit(
+def send_refit(
     weights: Generator[tuple[str, torch.Tensor], None, None],
     sender: BucketSender,
     *,
@@ -143,24 +156,30 @@ async def send_refit(
     checksum: Checksum | None = payload_checksum,
     direct: bool = True,
     record: PackingRecord | None = None,
+    cancel: threading.Event | None = None,
 ) -> RefitStats:
     """Send every weight of one refit through ``sender``; returns this sender's statistics.
     ``direct=False`` packs every chunk into the slot buffers even where the transport takes
     direct chunks (for receivers that lend out their buffers: a direct chunk lands in fresh
     memory instead). ``record``: this sender's record of its last refit, replayed where the
-    weights repeat it and rewritten from this one (:mod:`ckpt_core._internal.replay`)."""
-    refit = _Refit(bucket_size, context, notifier, RefitStats(), timeout_s, checksum)
+    weights repeat it and rewritten from this one (:mod:`ckpt_core._internal.replay`).
+
+    Blocking: runs on the calling thread (the engine gives it a thread of its own) and returns
+    once every bucket was delivered. ``cancel``: once set, the refit stops with
+    ``RefitCancelled`` before the next weight or bucket, and its receivers are sent an abort."""
+    refit = _Refit(bucket_size, context, notifier, RefitStats(), timeout_s, checksum, cancel)
     stats = refit.stats
     start = time.perf_counter()
     notifier.started(context)
     packer = _BucketPacker(sender, refit, direct=direct, record=record)
     try:
-        rest, open_bucket = await packer.replay(iter(weights))
+        rest, open_bucket = packer.replay(iter(weights))
         seen: set[str] | None = None
         for meta, chunk in split_weight_chunks_bounded(
             rest, bucket_size, max_chunks=MAX_CHUNKS_PER_BUCKET, keep_whole=packer.keep_whole, open_bucket=open_bucket
         ):
             if meta.chunk_offset == 0:
+                refit.check_cancel()
                 if seen is None:
                     seen = packer.replayed_names()
                 if meta.name in seen:
@@ -170,9 +189,9 @@ async def send_refit(
                 seen.add(meta.name)
                 stats.tensors += 1
             if packer.opens_bucket(meta):
-                await packer.post(last=False)
+                packer.post(last=False)
             packer.add(meta, chunk)
-        await packer.finish()
+        packer.finish()
     except TransferError as exc:
         packer.forget()
         notifier.failed(context, exc)
@@ -294,7 +313,7 @@ class _BucketPacker:
             self.stats.checksum_seconds += time.perf_counter() - start
         self.stats.direct_chunks += 1
 
-    async def replay(self, weights: Iterator[Any]) -> tuple[Iterator[Any], tuple[int, int]]:
+    def replay(self, weights: Iterator[Any]) -> tuple[Iterator[Any], tuple[int, int]]:
         """Repeat the record's buckets while ``weights`` repeat their tensors: each chunk is
         copied (or queued direct) as it was last time, each bucket posted with its recorded
         chunk list. The record's last bucket, or the one a differing tensor arrives in, stays
@@ -349,7 +368,7 @@ class _BucketPacker:
             if number == len(buckets) - 1:
                 break  # the recorded stream's end: later weights, or none, decide
             self.replayed.append(bucket)
-            await self.post(last=False)
+            self.post(last=False)
         return weights, self.open_bucket()
 
     def _replayed(self, tensors: int, start: float) -> None:
@@ -392,17 +411,18 @@ class _BucketPacker:
         if self.record is not None:
             self.record.clear()
 
-    async def finish(self) -> None:
-        await self.post(last=True)
+    def finish(self) -> None:
+        self.post(last=True)
         for slot in range(self.sender.num_slots):
             with _timed(self.stats, "transfer_seconds"):
                 self.sender.wait_slot(slot, self.refit.timeout_s)
         if self.record is not None:
             self.record.complete(self.settings)
 
-    async def post(self, *, last: bool) -> None:
+    def post(self, *, last: bool) -> None:
         """Post the open bucket: the slot's packed bytes, then its direct chunks."""
         refit = self.refit
+        refit.check_cancel()
         for name, chunk in zip(self.direct_names, self.direct):  # their bytes are read from now on
             check_still_held(name, chunk)
         digest = None
@@ -443,7 +463,6 @@ class _BucketPacker:
         self.plan_end = self.packed_end = 0
         if not last:
             self.buffer = self._acquire_slot()
-            await asyncio.sleep(0)  # let the caller's event loop breathe between buckets
 
     def _record(self, chunks: tuple[TensorMeta, ...], encoded: bytes) -> None:
         """Record the bucket just posted. Its small tensors may be replayed in spans (several
@@ -483,7 +502,7 @@ class _BucketPacker:
             pass
 
 
-async def receive_refit(
+def receive_refit(
     receiver: BucketReceiver,
     *,
     bucket_size: int,
@@ -495,7 +514,8 @@ async def receive_refit(
     stats: RefitStats | None = None,
     borrow: bool = False,
     memo: ReceiveMemo | None = None,
-) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
+    cancel: threading.Event | None = None,
+) -> Generator[list[tuple[str, torch.Tensor]], None, None]:
     """Yield the ``(name, tensor)`` batches of one refit, one batch per bucket that completes
     tensors, in the sender's order. Tensors own their memory (never a transport's buffer;
     small ones of a bucket may share one storage of at most 1 MiB, see
@@ -506,14 +526,19 @@ async def receive_refit(
     tensors carried whole by one bucket are views of the receiver's buffer, valid until the
     caller asks for the next batch (the buffer's slot is released to the transport only then).
     ``memo``: this receiver's memory of earlier refits' buckets; a bucket whose chunk list
-    repeats is not decoded, checked or planned again."""
-    refit = _Refit(bucket_size, context, notifier, stats if stats is not None else RefitStats(), timeout_s, checksum)
+    repeats is not decoded, checked or planned again.
+
+    Blocking: each ``next()`` waits for the transport on the calling thread (the engine runs
+    it on a thread of its own). ``cancel``: once set, the refit stops with ``RefitCancelled``
+    before the next bucket is received."""
+    stats = stats if stats is not None else RefitStats()
+    refit = _Refit(bucket_size, context, notifier, stats, timeout_s, checksum, cancel)
     start = time.perf_counter()
     notifier.started(context)
     device = torch.device(merge_device) if merge_device is not None else None
     buckets = _BucketStream(receiver, refit, ChunkAssembler(device), borrow=borrow, memo=memo or ReceiveMemo())
     try:
-        async for batch in buckets.tensor_batches():
+        for batch in buckets.tensor_batches():
             refit.stats.tensors += len(batch)
             yield batch
     except BaseException as exc:
@@ -577,11 +602,12 @@ class _BucketStream:
             slot, self._lent_slot = self._lent_slot, None
             self.receiver.release(slot)
 
-    async def tensor_batches(self) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
+    def tensor_batches(self) -> Generator[list[tuple[str, torch.Tensor]], None, None]:
         eager = self.receiver.payload_ready_with_header
         previous: _PlannedBucket | None = None
         bucket_index = 0
         while True:
+            self.refit.check_cancel()
             bucket = self._plan(self._next_header(bucket_index))
             with _timed(self.stats, "transfer_seconds"):
                 if bucket.direct:
@@ -598,7 +624,6 @@ class _BucketStream:
             if previous is not None:  # finish bucket k-1 while bucket k arrives
                 batch, previous = self._finish(previous), None
                 if batch:
-                    await self._hand_out()
                     yield batch
                 self._take_back()
             with _timed(self.stats, "transfer_seconds"):
@@ -606,7 +631,6 @@ class _BucketStream:
             if eager:
                 batch = self._finish(bucket)
                 if batch:
-                    await self._hand_out()
                     yield batch
                 self._take_back()
             else:
@@ -617,7 +641,6 @@ class _BucketStream:
         batch = self._finish(previous) if previous is not None else []
         self.assembler.finish()
         if batch:
-            await self._hand_out()
             yield batch
         self._take_back()
 
@@ -744,6 +767,3 @@ class _BucketStream:
         nbytes = header.payload_nbytes + sum(t.numel() for t in bucket.direct)
         self.refit.notifier.bucket_received(self.refit.context, header.bucket_index, nbytes, len(header.chunks))
         return done
-
-    async def _hand_out(self) -> None:
-        await asyncio.sleep(0)  # let the caller's event loop breathe between buckets

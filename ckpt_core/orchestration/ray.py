@@ -23,8 +23,6 @@ loopback, so peers on other nodes can reach them; set the engine option ``host``
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
 import inspect
@@ -46,11 +44,13 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 import torch
 
 from ckpt_core.errors import EngineOptionError, LifecycleError
+from ckpt_core.options import check_bucket_size, schema_of
 from ckpt_core.orchestration.coordinator import CallResult, RefitCoordinator, RefitFailedError
 from ckpt_core.orchestration.protocol import decode, encode, error_reply
 from ckpt_core.orchestration.worker import RefitWorker
 from ckpt_core.orchestration.workload import WeightsFactory
 from ckpt_core.registry import resolve_backend
+from ckpt_core.topology import Topology
 
 __all__ = [
     "RayRefitConfig",
@@ -101,9 +101,7 @@ class RayRefitConfig:
         if "backend" not in config:
             raise EngineOptionError("the refit config needs 'backend' (e.g. 'gloo_cpu')")
         _expect(config, "backend", str, "a backend name such as 'gloo_cpu'", nonempty=True)
-        size = config.get("bucket_size_bytes", DEFAULT_BUCKET_SIZE)
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise EngineOptionError(f"refit config 'bucket_size_bytes' must be an int >= 1, got {size!r}")
+        size = check_bucket_size(config.get("bucket_size_bytes", DEFAULT_BUCKET_SIZE), owner="refit config")
         _expect(config, "engine_kwargs", Mapping, "a mapping of engine option name to value")
         _expect(config, "verify", bool, "True or False")
         if config.get("weights") is not None:
@@ -157,12 +155,23 @@ class RefitActorMixin:
     coordinator reaches the engine only through :meth:`ckpt_call`, with JSON text; the
     tensors never leave the actor except through the engine's transport.
 
-    Any actor kind works. In an async actor (one with ``async def`` methods) Ray runs
-    ``ckpt_call`` on the event loop's thread; the call then runs on a helper thread and the loop
-    waits for it, so other coroutines pause for the duration of a refit.
+    Any actor kind works. In a threaded actor ``ckpt_call`` runs each call to completion
+    (a refit on an event loop of its own). An async actor (a class with an ``async def``
+    method; Ray then runs every method on the actor's event loop) gets a coroutine
+    ``ckpt_call`` instead, chosen when the class is defined: a refit is awaited there, its
+    transfer on the engine's refit thread, so the actor's other coroutines keep running
+    during it. The other calls (``prepare``, ``init``, which waits for its peers within the
+    engine's ``timeout_s``, ``finalize``...) are the engine's synchronous methods and run on
+    the loop's thread. The policy's :meth:`weights` generator is iterated on the engine's
+    refit thread in both kinds; :meth:`load_weights` runs on the calling thread.
     """
 
     _ckpt_worker: RefitWorker | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "ckpt_call" not in cls.__dict__ and _is_async_actor_class(cls):
+            cls.ckpt_call = _ckpt_call_async  # type: ignore[assignment, method-assign]
 
     def weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """Policy side: the ``(name, tensor)`` pairs to send, in a stable order (for instance
@@ -177,27 +186,50 @@ class RefitActorMixin:
 
     def ckpt_call(self, request: str) -> str:
         """Run one coordinator call: ``{"method": ..., "kwargs": {...}}`` as JSON text in, the
-        reply of :mod:`ckpt_core.orchestration.protocol` as JSON text out; errors come back in the reply."""
+        reply of :mod:`ckpt_core.orchestration.protocol` as JSON text out; errors come back in the reply.
+        (A coroutine in async actors, see the class docstring.)"""
         try:
-            message = decode(request.encode())
-            method, kwargs = message.get("method"), dict(message.get("kwargs") or {})
-            handler = _ACTOR_CALLS.get(method) if isinstance(method, str) else None
-            if handler is None:
-                raise ValueError(f"unknown refit call {method!r}; expected one of {', '.join(_ACTOR_CALLS)}")
-            reply: dict[str, Any] = {"ok": True, "result": _off_the_loop(lambda: handler(self, **kwargs))}
+            handler, kwargs = _parse_call(request)
+            reply: dict[str, Any] = {"ok": True, "result": handler(self, **kwargs)}
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the coordinator
             reply = error_reply(exc)
         return encode(reply).decode()
 
 
-def _off_the_loop(call: Any) -> Any:
-    """``call()``, on a helper thread if this thread runs an event loop (engines run their own)."""
+async def _ckpt_call_async(self: RefitActorMixin, request: str) -> str:
+    """``ckpt_call`` of an async actor: a refit is awaited on the actor's event loop."""
     try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return call()
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-refit") as helper:
-        return helper.submit(call).result()
+        handler, kwargs = _parse_call(request)
+        if handler is _ACTOR_CALLS["refit"]:
+            result = await _worker(self).refit_async(**kwargs)
+        else:
+            result = handler(self, **kwargs)
+        reply: dict[str, Any] = {"ok": True, "result": result}
+    except Exception as exc:  # noqa: BLE001 - every failure goes back to the coordinator
+        reply = error_reply(exc)
+    return encode(reply).decode()
+
+
+def _parse_call(request: str) -> tuple[Callable[..., Any], dict[str, Any]]:
+    message = decode(request.encode())
+    method, kwargs = message.get("method"), dict(message.get("kwargs") or {})
+    handler = _ACTOR_CALLS.get(method) if isinstance(method, str) else None
+    if handler is None:
+        raise ValueError(f"unknown refit call {method!r}; expected one of {', '.join(_ACTOR_CALLS)}")
+    return handler, kwargs
+
+
+def _is_async_actor_class(cls: type) -> bool:
+    """Whether Ray makes an actor of ``cls`` an async actor: it has an ``async def`` method
+    (or async generator method); ``ckpt_call`` itself does not count."""
+    for name in dir(cls):
+        if name == "ckpt_call":
+            continue
+        member = inspect.getattr_static(cls, name, None)
+        function = getattr(member, "__func__", member)  # static and class methods
+        if inspect.iscoroutinefunction(function) or inspect.isasyncgenfunction(function):
+            return True
+    return False
 
 
 class RefitActor(RefitActorMixin):
@@ -221,11 +253,12 @@ def _overrides(actor: RefitActorMixin, name: str) -> bool:
 
 
 def _node_host(backend: str, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``engine_kwargs`` with ``host`` set to this node's address, if the engine has a
-    ``host`` option and the caller did not set it."""
+    """``engine_kwargs`` with ``host`` set to this node's address, if the engine's options
+    schema has a ``host`` option and the caller did not set it."""
     if "host" in engine_kwargs:
         return engine_kwargs
-    if "host" not in inspect.signature(resolve_backend(backend).__init__).parameters:
+    schema = schema_of(resolve_backend(backend))
+    if schema is None or "host" not in schema:
         return engine_kwargs
     return {**engine_kwargs, "host": ray.util.get_node_ip_address()}
 
@@ -447,7 +480,7 @@ class RayRefitCoordinator(RefitCoordinator):
         self.workers: list[dict[str, Any]] = self._checked("configure", calls)
         topology = self.workers[0].get("topology")
         if isinstance(topology, str):
-            self.topology = topology
+            self.topology = Topology.parse(topology)
 
 
 @contextlib.contextmanager

@@ -118,7 +118,17 @@ class RefitWorker:
         """Run this worker's side of one refit; returns stats, digests and peak RSS.
 
         ``weights``/``weights_params`` replace the worker's weights factory for this refit.
+        For synchronous callers (a local worker process, a threaded Ray actor): it runs
+        :meth:`refit_async` to completion on an event loop of its own.
         """
+        return asyncio.run(self.refit_async(refit_index=refit_index, weights=weights, weights_params=weights_params))
+
+    async def refit_async(
+        self, *, refit_index: int, weights: str | None = None, weights_params: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """:meth:`refit` for callers that run an event loop (an async Ray actor): the transfer
+        runs on the engine's refit thread while the loop keeps serving other coroutines; the
+        weights factory's generator is iterated there, the loader and digests run here."""
         self._uncommitted = None
         start = time.perf_counter()
         by_destination: dict[str, dict[str, Any]] = {}  # a policy's, with a stream per destination
@@ -127,7 +137,7 @@ class RefitWorker:
             params = self.weights_params if weights_params is None else weights_params
             assert factory is not None
             source = _Counted(factory(params, refit_index=refit_index, rank=self.rank))
-            asyncio.run(self.engine.send_weights(iter(source)))
+            await self.engine.send_weights(iter(source))
             wall = time.perf_counter() - start
             count = source.count
             # Digests of what was sent, computed after the send so they are not in its timing:
@@ -153,12 +163,12 @@ class RefitWorker:
                 by_destination = {}
         elif self.load_weights is not None or getattr(self.engine, "borrow_received_tensors", False):
             # Borrowed tensors are valid only until the next batch: digest them on arrival.
-            loaded = asyncio.run(self._receive_into(self.load_weights or _drop))
+            loaded = await self._receive_into(self.load_weights or _drop)
             wall = time.perf_counter() - start
             result_digests = loaded if self.verify else {}
             count = len(loaded)
         else:
-            received = asyncio.run(self._receive())
+            received = await self._receive()
             wall = time.perf_counter() - start
             result_digests = digests(received.items()) if self.verify else {}
             count = len(received)

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 
 from ckpt_core.errors import PeerLostError, TransferTimeoutError
-from ckpt_core.transport import BucketReceiver, BucketSender
+from ckpt_core.transport import BucketReceiver, BucketSender, Option
 from ckpt_core.transport.capabilities import BackendCapabilities
 from ckpt_core.transport.engine import BucketedEngine
 
@@ -181,26 +181,13 @@ class InProcessEngine(BucketedEngine):
         devices=("cpu",), topologies=("paired",), placements=("colocated",)
     )
 
-    def __init__(
-        self,
-        *,
-        bucket_size: int,
-        timeout_s: float = 20.0,
-        checksum: bool = True,
-        direct_chunks: bool = False,
-        release_after_refit: bool = False,
-        shard_expert_weights: bool = False,
-        borrow_received_tensors: bool = False,
-    ) -> None:
-        super().__init__(
-            bucket_size=bucket_size,
-            timeout_s=timeout_s,
-            checksum=checksum,
-            release_after_refit=release_after_refit,
-            shard_expert_weights=shard_expert_weights,
-            borrow_received_tensors=borrow_received_tensors,
-        )
-        self.direct_chunks = direct_chunks
+    options = BucketedEngine.options.replace("timeout_s", default=20.0).extend(
+        Option.flag("direct_chunks", False, "move chunks of 1 MiB or more as messages of their own, unpacked")
+    )
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.direct_chunks: bool = self.option_values.direct_chunks
         self.link: InProcessLink | None = None
         self.sender: InProcessSender | None = None
         self._key = ""

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 import time
 from collections.abc import Callable, Generator
 from typing import Any
@@ -35,6 +34,7 @@ from ckpt_core.contract import CheckpointEngine
 from ckpt_core.errors import LifecycleError
 from ckpt_core.host_pool import limit_host_pool
 from ckpt_core.layout import WeightLayout
+from ckpt_core.options import schema_of
 from ckpt_core.orchestration.protocol import error_reply
 from ckpt_core.orchestration.workload import tensor_digest
 from ckpt_core.registry import create_checkpoint_engine, resolve_backend
@@ -88,9 +88,9 @@ class _ReceiveTally:
 
 
 def _accepts_option(backend: str, option: str) -> bool:
-    """Whether ``backend``'s engine class takes ``option`` as a named constructor argument."""
-    engine_class = resolve_backend(backend)
-    return option in inspect.signature(engine_class.__init__).parameters
+    """Whether ``backend``'s engine class declares ``option`` in its options schema."""
+    schema = schema_of(resolve_backend(backend))
+    return schema is not None and option in schema.names()
 
 
 def _lent_by(state: _RankState) -> Callable[[torch.Tensor], bool]:
@@ -266,6 +266,9 @@ class CkptEngineWorkerExtension:
         guard = HeapGuard(budget_bytes=2 * state.bucket_size_bytes + GROWTH_ALLOWANCE_BYTES)
         lent_by = _lent_by(state)
         model = self.model_runner.get_model()
+        # vLLM calls its worker's methods synchronously and its loader pulls one weight at a
+        # time, so the batches are stepped on a loop of our own (the transfer itself runs on
+        # the engine's refit thread; this loop only waits for each batch).
         loop = asyncio.new_event_loop()
         try:
             while True:

@@ -10,7 +10,6 @@ processes, which needs a GPU per rank, is in test_nccl_conformance.py.
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import json
 import os
@@ -120,16 +119,14 @@ def test_the_sender_pipeline_packs_checksums_and_sends_into_a_one_rank_link():
 
     notifier = RefitNotifier("nccl", "policy", 0)
     try:
-        stats = asyncio.run(
-            send_refit(
-                iter(weights),
-                sender,
-                bucket_size=bucket_size,
-                context=notifier.context(0),
-                notifier=notifier,
-                timeout_s=60.0,
-                checksum=checksum,
-            )
+        stats = send_refit(
+            iter(weights),
+            sender,
+            bucket_size=bucket_size,
+            context=notifier.context(0),
+            notifier=notifier,
+            timeout_s=60.0,
+            checksum=checksum,
         )
         # Each bucket's parts, as checksummed: its packed slot bytes (chunks closed up at
         # aligned offsets), then its direct chunks, sent from the tensors themselves.
