@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -134,8 +135,12 @@ def assert_same(received: dict[str, torch.Tensor], seed: int) -> None:
 
 
 @pytest.fixture
-def sockets(tmp_path: Path) -> str:
-    return str(tmp_path)
+def sockets() -> Iterator[str]:
+    """A socket directory with a short path (pytest's own, under xdist, can exceed what a Unix
+    socket's path may hold)."""
+    path = tempfile.mkdtemp(prefix="ckpt-ipc-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 # --- options and capabilities -----------------------------------------------------------
