@@ -1,4 +1,5 @@
-"""The ckpt-core conformance kit, run on the gloo_cpu backend (both topologies)."""
+"""The ckpt-core conformance kit, run on the gloo_cpu backend (both topologies, each with a
+policy rank that has no receiver and drains; paired with two pairs, so crossed ranks show)."""
 
 from __future__ import annotations
 
@@ -7,5 +8,4 @@ from ckpt_core.testing import Shape, TransportConformance
 
 class TestGlooCpuConformance(TransportConformance):
     backend = "gloo_cpu"
-    # One-to-many broadcast; and a pair whose second policy rank has no receiver and drains.
-    shapes = (Shape(1, 2, "broadcast"), Shape(2, 1, "paired"))
+    shapes = (Shape(2, 2, "broadcast"), Shape(3, 2, "paired"))
