@@ -40,7 +40,7 @@ from ckpt_core.orchestration.local import LocalProcessPool  # noqa: E402
 # 70-token prompts fill two 32-token blocks, which vLLM's prefix cache keeps between calls:
 # a refit that did not reset it would generate from keys and values of the old weights.
 PROMPTS = [[(7 * i + j) % 500 + 1 for j in range(70)] for i in range(3)]
-REFITS = 3
+REFITS = 2
 BLOCK_SIZE = 32  # the CPU attention backend takes multiples of 32
 
 
@@ -119,7 +119,7 @@ def _rpc_sockets_removed_at_the_end() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The start-up model and W1..W3, each one optimizer step after the last (saved in bf16,
+    """The start-up model and W1..W2, each one optimizer step after the last (saved in bf16,
     as vLLM loads them), and the digests of what a refit of each sends."""
     root = tmp_path_factory.mktemp("tiny_qwen2")
     start = save_tiny_qwen2(root / "start")
@@ -144,12 +144,12 @@ def tp(request: pytest.FixtureRequest) -> int:
 
 @pytest.fixture(scope="module")
 def reference_tokens(tp: int, checkpoints: dict[str, Any]) -> list[list[list[int]]]:
-    """What a fresh engine loaded from W_k on disk generates, for k = 1..3."""
+    """What a fresh engine loaded from W_k on disk generates, for k = 1..2."""
     references = []
     for path in checkpoints["weights"]:
         with vllm_engine(path, tp) as fresh:
             references.append(greedy_tokens(fresh.generate))
-    assert references[0] != references[1] != references[2], "the optimizer steps did not change the tokens"
+    assert references[0] != references[1], "the optimizer steps did not change the tokens"
     return references
 
 

@@ -2,7 +2,7 @@
 
 One trainer process (``RefitWorker``, gloo_cpu ``fanout``) sends each vLLM rank only what its
 live model keeps: its half of every attention and dense matrix and its tensor-parallel share of
-every expert. Three refits in a row through a ``RefitCoordinator`` checking every received
+every expert. Two refits in a row through a ``RefitCoordinator`` checking every received
 shard's digest against what the trainer's stream carried; after each, greedy tokens equal
 those of the same engine after vLLM's own ``reload_weights`` from the same weights on disk.
 Then a trainer yielding its experts fused, as transformers 5 holds them in memory, through
@@ -93,7 +93,7 @@ def test_sharded_moe_refits_match_vllms_own_reload_and_move_each_rank_its_share(
                     assert abs(got - own) <= 0.01 * own, f"rank {rank} received {got} bytes, holds {own}"
                 model_bytes = (moe_checkpoints["start"] / "model.safetensors").stat().st_size
                 assert max(received) < 0.7 * model_bytes
-            assert seen[0] != seen[1] != seen[2], "the versions do not change the tokens"
+            assert seen[0] != seen[1], "the versions do not change the tokens"
         finally:
             coordinator.finalize()
 

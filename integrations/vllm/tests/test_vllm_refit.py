@@ -1,7 +1,7 @@
 """Refits into a running vLLM engine, checked token for token against fresh engines.
 
 For tensor-parallel sizes 1 and 2 (module-scoped fixtures in conftest.py): a trainer process
-replays the optimizer steps that produced W1..W3 and refits one long-lived engine after each;
+replays the optimizer steps that produced W1..W2 and refits one long-lived engine after each;
 its greedy tokens must equal those of a fresh engine loaded from W_k on disk. Then faults: a
 trainer killed mid-refit and bad weights leave the engine marked not current, with its
 version unchanged, and the next full refit recovers.
@@ -80,8 +80,8 @@ def refit(trainer: LocalProcessPool, rollout: VllmRollout, **faults: Any) -> tup
 def test_refits_through_the_coordinator_match_fresh_engines(
     case: str, refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
 ) -> None:
-    """Three refits in a row on one engine (its weights change every time: each case starts
-    again from W1 over the last one's W3), driven by a RefitCoordinator that checks every
+    """Two refits in a row on one engine (its weights change every time: each case starts
+    again from W1 over the last one's W2), driven by a RefitCoordinator that checks every
     tensor's digest before it commits. With 1 MiB buckets layers span batches, so borrowed
     batches hold weights vLLM keeps past the batch: the rank must have cloned them (without
     that, tokens differ: tried)."""
@@ -228,44 +228,49 @@ def test_a_discarded_refit_is_never_committed(
         rollout.finalize()
 
 
-@pytest.mark.parametrize(
-    ("fault", "error", "named"),
-    [
-        (
-            {"extra": [{"name": "model.layers.0.mlp.not_a_weight.weight", "shape": [4, 4]}]},
-            RolloutLoadError,
-            "not_a_weight",
-        ),
-        ({"reshape": "model.layers.1.mlp.down_proj.weight"}, RolloutLoadError, "model.layers.1.mlp.down_proj.weight"),
-        # vLLM counts a fused qkv_proj as loaded once any part arrived: caught from its element count.
-        ({"skip": "model.layers.0.self_attn.k_proj.weight"}, IncompleteRefitError, "model.layers.0.self_attn.qkv_proj"),
-        ({"skip": "model.norm.weight"}, IncompleteRefitError, "model.norm.weight"),
-    ],
-    ids=["unknown_name", "wrong_shape", "missing_part_of_a_fused_weight", "missing_weight"],
-)
+BAD_WEIGHTS: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
+    "unknown_name": (
+        {"extra": [{"name": "model.layers.0.mlp.not_a_weight.weight", "shape": [4, 4]}]},
+        RolloutLoadError,
+        "not_a_weight",
+    ),
+    "wrong_shape": (
+        {"reshape": "model.layers.1.mlp.down_proj.weight"},
+        RolloutLoadError,
+        "model.layers.1.mlp.down_proj.weight",
+    ),
+    # vLLM counts a fused qkv_proj as loaded once any part arrived: caught from its element count.
+    "missing_part_of_a_fused_weight": (
+        {"skip": "model.layers.0.self_attn.k_proj.weight"},
+        IncompleteRefitError,
+        "model.layers.0.self_attn.qkv_proj",
+    ),
+    "missing_weight": ({"skip": "model.norm.weight"}, IncompleteRefitError, "model.norm.weight"),
+}
+
+
 def test_a_bad_weight_is_a_clear_error_and_never_reported_current(
-    fault: dict[str, Any],
-    error: type[Exception],
-    named: str,
-    refitted_llm: Any,
-    checkpoints: dict[str, Any],
-    reference_tokens: list[Any],
+    refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
 ) -> None:
+    """Each kind of bad weight in turn, on one engine (a trainer per refit, the rollout reset
+    after each failure): every rank names the weight with the expected error, and the engine is
+    marked not current and refuses to generate. Then one full refit recovers it."""
     rollout = VllmRollout(refitted_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET, engine_kwargs={"timeout_s": 10.0})
     try:
-        with trainer_pool(checkpoints["start"], "gloo_cpu", timeout_s=10.0) as trainer:
-            set_up(trainer, rollout)
-            train(trainer)
-            _, received = refit(trainer, rollout, **fault)
-        assert isinstance(received, RefitFailedError), received
-        for failure in received.failures:
-            assert failure.error_type == error.__name__, failure.describe()
-            assert named in (failure.message or ""), failure.describe()
-        assert not any(s["current"] for s in rollout.status())
-        with pytest.raises(StaleWeightsError):
-            rollout.generate([{"prompt_token_ids": [1, 2]}])
+        for kind, (fault, error, named) in BAD_WEIGHTS.items():
+            with trainer_pool(checkpoints["start"], "gloo_cpu", timeout_s=10.0) as trainer:
+                set_up(trainer, rollout)
+                train(trainer)
+                _, received = refit(trainer, rollout, **fault)
+            assert isinstance(received, RefitFailedError), (kind, received)
+            for failure in received.failures:
+                assert failure.error_type == error.__name__, (kind, failure.describe())
+                assert named in (failure.message or ""), (kind, failure.describe())
+            assert not any(s["current"] for s in rollout.status()), kind
+            with pytest.raises(StaleWeightsError):
+                rollout.generate([{"prompt_token_ids": [1, 2]}])
+            rollout.reset()
 
-        rollout.reset()
         with trainer_pool(checkpoints["start"], "gloo_cpu", timeout_s=10.0) as trainer:
             set_up(trainer, rollout)
             train(trainer)
@@ -281,7 +286,7 @@ def test_a_sharded_refit_sends_each_rank_only_its_shards(
     backend: str, tp: int, refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
 ) -> None:
     """One trainer feeding every tensor-parallel rank a stream of its own (topology fanout),
-    each rank's layout derived from its live model: three refits in a row generate what fresh
+    each rank's layout derived from its live model: two refits in a row generate what fresh
     engines loaded from W_k do, and each rank receives its own parameters' bytes (its shards
     and what it replicates), not the model's (at TP 1, the one rank keeps it all)."""
     options = {**BACKENDS[backend], "shard_expert_weights": True, "topology": "fanout"}
