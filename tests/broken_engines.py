@@ -1,7 +1,7 @@
 """Deliberately broken engines: each breaks one rule of the contract, so a test can show that
 the conformance kit catches it (tests/test_conformance_kit.py).
 
-They subclass the real gloo_cpu engine and are selected as ``"broken_engines:ClassName"``;
+They subclass the real gloo_cpu engine and are selected as ``"tests.broken_engines:ClassName"``;
 worker processes import this module through ``PYTHONPATH``. Test tooling only: nothing in
 ``ckpt_core`` or the plugins imports it.
 """

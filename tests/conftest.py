@@ -1,7 +1,10 @@
 """Fixtures shared by the core tests in ``tests/``.
 
-``tests/`` has no ``__init__.py``, so pytest puts it on ``sys.path``: test modules import
-their helpers as ``helpers.<module>``.
+``tests/`` is a package (as are its folders), so pytest puts the repository root on
+``sys.path`` and test modules import their helpers by package: ``tests.helpers.<module>``,
+``tests.reliability.<module>``. Worker processes get the root on ``PYTHONPATH``
+(:func:`import_root`) and name test services the same way
+(``"tests.reliability.rel_worker:ReliabilityWorker"``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -24,9 +27,9 @@ def rng() -> torch.Generator:
 
 
 @pytest.fixture(scope="session")
-def tests_dir() -> Path:
-    """This folder, for subprocesses that import ``helpers``."""
-    return TESTS_DIR
+def import_root() -> Path:
+    """The repository root: what a subprocess puts on ``PYTHONPATH`` to import ``tests.*``."""
+    return REPO_ROOT
 
 
 @pytest.fixture

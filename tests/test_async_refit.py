@@ -10,7 +10,7 @@ and real engines, over gloo_cpu and over cuda_ipc with host buffers:
 * a consumer that stops (``aclose()``) or whose ``__anext__`` is cancelled fails the engine,
   joins its thread, and its sender fails at once with a typed error.
 
-The services below run inside the worker processes (``tests`` is on their ``PYTHONPATH``).
+The services below run inside the worker processes (the repository root is on their ``PYTHONPATH``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,8 @@ import torch
 from ckpt_core.errors import LifecycleError
 from ckpt_core.orchestration.local import LocalProcessPool
 from ckpt_core.registry import create_checkpoint_engine
+
+Weights = Generator[tuple[str, torch.Tensor], None, None]
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +80,7 @@ class _Ticker:
             last, last_cpu = now, cpu
 
 
-def _weights(refit_index: int, count: int, delay_s: float = 0.0) -> Iterator[tuple[str, torch.Tensor]]:
+def _weights(refit_index: int, count: int, delay_s: float = 0.0) -> Weights:
     """``count`` float32 tensors of ``TENSOR_BYTES``; tensor ``i`` holds ``i + refit_index``
     except for its first element, ``-i`` (the receiver checks both ends)."""
     for i in range(count):
@@ -133,7 +135,7 @@ class AsyncSide:
         start = time.perf_counter()
         with _Ticker() as ticker:
             if self.role == "policy":
-                await self.engine.send_weights(iter(weights))
+                await self.engine.send_weights(weight for weight in weights)
                 received = 0
             else:
                 received = 0
@@ -161,7 +163,7 @@ class AsyncSide:
         before = _refit_threads()
         progress = 0  # weights pulled (policy) or batches taken (rollout)
 
-        def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        def weights() -> Weights:
             nonlocal progress
             for item in _weights(0, 200, delay_s=0.02):
                 progress += 1
@@ -195,7 +197,7 @@ class AsyncSide:
         after_threads = _refit_threads()
         try:  # the engine is failed: a refit is refused until finalize() and a new setup
             if self.role == "policy":
-                await self.engine.send_weights(iter([]))
+                await self.engine.send_weights(weight for weight in _weights(0, 0))
             else:
                 async for _ in self.engine.receive_weight_batches():
                     pass
@@ -232,15 +234,15 @@ class AsyncSide:
 # --- the tests ------------------------------------------------------------------------------
 
 
-def _pool(backend: tuple[str, dict[str, Any]], tests_dir: Path, short_tmp: Path) -> LocalProcessPool:
+def _pool(backend: tuple[str, dict[str, Any]], import_root: Path, short_tmp: Path) -> LocalProcessPool:
     name, options = backend
     kwargs: dict[str, Any] = {**options, "timeout_s": TIMEOUT_S}
     if name == "cuda_ipc":
         kwargs["socket_dir"] = str(short_tmp)
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tests_dir), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(import_root), env.get("PYTHONPATH")]))
     specs = [
-        {"service": "test_async_refit:AsyncSide", "role": role, "backend": name, "engine_kwargs": kwargs}
+        {"service": "tests.test_async_refit:AsyncSide", "role": role, "backend": name, "engine_kwargs": kwargs}
         for role in ("policy", "rollout")
     ]
     return LocalProcessPool(specs, labels=["policy", "rollout"], env=env)
@@ -264,9 +266,9 @@ def _setup(pool: LocalProcessPool) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_ticking_coroutine_on_either_side_keeps_its_pace_during_a_256_mib_refit(
-    backend: tuple[str, dict[str, Any]], tests_dir: Path, short_tmp: Path
+    backend: tuple[str, dict[str, Any]], import_root: Path, short_tmp: Path
 ) -> None:
-    pool = _pool(backend, tests_dir, short_tmp)
+    pool = _pool(backend, import_root, short_tmp)
     try:
         _setup(pool)
         for refit_index in range(2):  # the second replays the first's packing
@@ -296,16 +298,16 @@ CANCELLATIONS = [
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("stopping", CANCELLATIONS)
 def test_a_cancelled_refit_fails_the_engine_joins_its_thread_and_fails_the_peer_at_once(
-    backend: tuple[str, dict[str, Any]], stopping: tuple[str, str], tests_dir: Path, short_tmp: Path
+    backend: tuple[str, dict[str, Any]], stopping: tuple[str, str], import_root: Path, short_tmp: Path
 ) -> None:
     side, how = stopping
-    pool = _pool(backend, tests_dir, short_tmp)
+    pool = _pool(backend, import_root, short_tmp)
     try:
         _setup(pool)
         stop = {"how": how, "after": 3}
         if side == "policy":
             stopped, peer = _call(pool, ["cancelled_refit", "plain_refit"], stop, {})
-            peer_errors = ("RemoteRefitError",)
+            peer_errors: tuple[str, ...] = ("RemoteRefitError",)
         else:
             peer, stopped = _call(pool, ["plain_refit", "cancelled_refit"], {"slow": True}, stop)
             peer_errors = ("PeerLostError", "RemoteRefitError")

@@ -9,7 +9,10 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.tensors import (
+
+from ckpt_core import TensorMeta, split_weight_chunks
+from ckpt_core.errors import ChunkStreamError
+from tests.helpers.tensors import (
     Chunk,
     assert_same_tensor,
     assert_same_weights,
@@ -18,9 +21,6 @@ from helpers.tensors import (
     merge_all,
     random_tensor,
 )
-
-from ckpt_core import TensorMeta, split_weight_chunks
-from ckpt_core.errors import ChunkStreamError
 
 
 def chunks_of(weights: list[tuple[str, torch.Tensor]], bucket_size: int) -> list[Chunk]:

@@ -14,7 +14,13 @@ from collections.abc import Sequence
 import hypothesis.strategies as st
 import pytest
 import torch
-from helpers.tensors import (
+from hypothesis import HealthCheck, given, settings
+
+from ckpt_core import TensorMeta, split_weight_chunks
+from ckpt_core._internal.dtypes import dtype_name, transferable_dtypes
+from ckpt_core.chunking import split_weight_chunks_bounded
+from ckpt_core.errors import UnsupportedTensorError
+from tests.helpers.tensors import (
     Chunk,
     assert_same_weights,
     c_order_bytes,
@@ -23,12 +29,6 @@ from helpers.tensors import (
     merge_all,
     random_tensor,
 )
-from hypothesis import HealthCheck, given, settings
-
-from ckpt_core import TensorMeta, split_weight_chunks
-from ckpt_core._internal.dtypes import dtype_name, transferable_dtypes
-from ckpt_core.chunking import split_weight_chunks_bounded
-from ckpt_core.errors import UnsupportedTensorError
 
 ALL_DTYPES = transferable_dtypes()
 

@@ -24,43 +24,43 @@ from ckpt_core.orchestration.coordinator import RefitReport
 from ckpt_core.testing import ConformanceCluster, Shape
 from ckpt_core.testing.lifecycle import OUT_OF_ORDER_CASES, HungCallError, call_with_deadline, run_out_of_order
 
-TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = Path(__file__).resolve().parents[1]
 KIT_RUN_TIMEOUT_S = 600
 
 BROKEN_SUITE = """
     from ckpt_core.testing import Shape, TransportConformance
 
-    ENV = {{"PYTHONPATH": {tests_dir!r}}}
+    ENV = {{"PYTHONPATH": {import_root!r}}}
 
 
     class TestDropsEmptyTensors(TransportConformance):
-        backend = "broken_engines:DropsEmptyTensors"
+        backend = "tests.broken_engines:DropsEmptyTensors"
         shapes = (Shape(1, 1),)
         worker_env = ENV
 
 
     class TestReordersBatches(TransportConformance):
-        backend = "broken_engines:ReordersBatches"
+        backend = "tests.broken_engines:ReordersBatches"
         shapes = (Shape(1, 1),)
         worker_env = ENV
 
 
     class TestSkipsDrain(TransportConformance):
-        backend = "broken_engines:SkipsDrain"
+        backend = "tests.broken_engines:SkipsDrain"
         shapes = (Shape(2, 1),)
         worker_env = ENV
 
 
     class TestNonJsonMetadata(TransportConformance):
-        backend = "broken_engines:NonJsonMetadata"
+        backend = "tests.broken_engines:NonJsonMetadata"
 
 
     class TestNoLifecycleChecks(TransportConformance):
-        backend = "broken_engines:NoLifecycleChecks"
+        backend = "tests.broken_engines:NoLifecycleChecks"
 
 
     class TestHangsOutOfOrder(TransportConformance):
-        backend = "broken_engines:HangsOutOfOrder"
+        backend = "tests.broken_engines:HangsOutOfOrder"
         lifecycle_deadline_s = 2.0
 """
 
@@ -83,7 +83,7 @@ SELECTED = {
 def _run_kit(tmp_path: Path) -> dict[str, tuple[str, str]]:
     """Run the kit on the broken engines; ``"Class::test[id]"`` -> (outcome, failure text)."""
     suite = tmp_path / "test_broken_engines_kit.py"
-    suite.write_text(textwrap.dedent(BROKEN_SUITE.format(tests_dir=str(TESTS_DIR))))
+    suite.write_text(textwrap.dedent(BROKEN_SUITE.format(import_root=str(REPO_ROOT))))
     select = " or ".join(
         f"({cls} and {name.replace('[', ' and ').replace(']', '')})"
         for cls, names in SELECTED.items()
@@ -91,7 +91,7 @@ def _run_kit(tmp_path: Path) -> dict[str, tuple[str, str]]:
     )
     junit = tmp_path / "junit.xml"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(TESTS_DIR)
+    env["PYTHONPATH"] = str(REPO_ROOT)
     result = subprocess.run(
         [sys.executable, "-m", "pytest", str(suite), "-q", "-p", "no:cacheprovider", "-k", select,
          f"--junitxml={junit}", "-o", "junit_family=xunit1"],

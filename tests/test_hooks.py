@@ -19,8 +19,6 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.distributions import Distribution, install, run_python
-from helpers.tensors import assert_same_weights, group_into_buckets, random_tensor
 
 import ckpt_core
 from ckpt_core._internal.pipeline import KEEP_WHOLE_BYTES, MAX_CHUNKS_PER_BUCKET
@@ -29,6 +27,8 @@ from ckpt_core.errors import IntegrityError, RemoteRefitError, UnsupportedTensor
 from ckpt_core.hooks import plugin_manager
 from ckpt_core.stats import RefitContext, RefitStats
 from ckpt_core.testing.in_process import InProcessEngine, RefitOutcome, connected_pair, run_refit
+from tests.helpers.distributions import Distribution, install, run_python
+from tests.helpers.tensors import assert_same_weights, group_into_buckets, random_tensor
 
 BUCKET = 64
 
@@ -390,8 +390,8 @@ def hook_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return install([dist], tmp_path_factory.mktemp("hook-dist"))
 
 
-def test_entry_point_hooks_load_and_a_broken_one_warns(hook_site: Path, tests_dir: Path, tmp_path: Path) -> None:
-    result = run_python(PROBE, path=[hook_site, tests_dir], cwd=tmp_path)
+def test_entry_point_hooks_load_and_a_broken_one_warns(hook_site: Path, import_root: Path, tmp_path: Path) -> None:
+    result = run_python(PROBE, path=[hook_site, import_root], cwd=tmp_path)
     assert result["loaded"] == ["good"]
     assert len(result["warnings"]) == 2
     broken = next(w for w in result["warnings"] if "'broken'" in w)
@@ -408,15 +408,15 @@ def test_entry_point_hooks_load_and_a_broken_one_warns(hook_site: Path, tests_di
     )
 
 
-def test_disable_autoload_loads_no_hook_plugin(hook_site: Path, tests_dir: Path, tmp_path: Path) -> None:
+def test_disable_autoload_loads_no_hook_plugin(hook_site: Path, import_root: Path, tmp_path: Path) -> None:
     env = {"CKPT_CORE_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    result = run_python(PROBE, path=[hook_site, tests_dir], env=env, cwd=tmp_path)
+    result = run_python(PROBE, path=[hook_site, import_root], env=env, cwd=tmp_path)
     assert result == {"warnings": [], "failures": {}, "loaded": [], "calls": None}
 
 
-def test_a_blocked_hook_plugin_is_not_loaded(hook_site: Path, tests_dir: Path, tmp_path: Path) -> None:
+def test_a_blocked_hook_plugin_is_not_loaded(hook_site: Path, import_root: Path, tmp_path: Path) -> None:
     env = {"CKPT_CORE_BLOCK_PLUGINS": " good , misspelled"}
-    result = run_python(PROBE, path=[hook_site, tests_dir], env=env, cwd=tmp_path)
+    result = run_python(PROBE, path=[hook_site, import_root], env=env, cwd=tmp_path)
     assert result["loaded"] == [] and result["calls"] is None
     assert list(result["failures"]) == ["broken"]
 

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.distributions import run_python
+
+from tests.helpers.distributions import run_python
 
 PLUGINS = ("ckpt_gloo_cpu", "ckpt_nccl", "ckpt_cuda_ipc")
 HEAVY = ("nemo_automodel", "ray", "cupy", "transformers", "safetensors", "pynvml")

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.distributions import Distribution, install, run_python
 
 from ckpt_core import backend_names, create_checkpoint_engine, list_backends, resolve_backend
 from ckpt_core.errors import (
@@ -24,6 +23,7 @@ from ckpt_core.errors import (
     UnknownBackendError,
 )
 from ckpt_core.transport import BucketedEngine
+from tests.helpers.distributions import Distribution, install, run_python
 
 # --- third-party distributions, in a subprocess ----------------------------------------------
 

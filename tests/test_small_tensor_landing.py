@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.tensors import assert_same_tensor, random_tensor
 
 from ckpt_core import split_weight_chunks
 from ckpt_core._internal.assembly import SHARED_STORAGE_BYTES, ChunkAssembler, Landing, SmallTensorLander
 from ckpt_core.errors import ChunkStreamError
+from tests.helpers.tensors import assert_same_tensor, random_tensor
 
 CPU = torch.device("cpu")
 

@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.headers import header_bytes_of, header_fields
-from helpers.tensors import group_into_buckets, random_tensor
 
 from ckpt_core import TensorMeta, split_weight_chunks
 from ckpt_core._internal.dtypes import transferable_dtypes
 from ckpt_core._internal.wire import FORMAT_VERSION, MAX_HEADER_BYTES, BucketHeader, decode_header, encode_header
 from ckpt_core.errors import WireFormatError
+from tests.helpers.headers import header_bytes_of, header_fields
+from tests.helpers.tensors import group_into_buckets, random_tensor
 
 BUCKET = 256
 

@@ -14,9 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _automodel_helpers import build_llama, full_state, parallelize  # noqa: E402
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.*
 from ckpt_core.automodel import (  # noqa: E402
     AutomodelCheckpointManager,
     CheckpointingConfig,
@@ -25,6 +23,7 @@ from ckpt_core.automodel import (  # noqa: E402
     iter_saved_tensors,
     saved_safetensors_files,
 )
+from tests.automodel._automodel_helpers import build_llama, full_state, parallelize  # noqa: E402
 
 # NeMo RL's whole CheckpointingConfig, as its config files spell it (its manager's keys too).
 NEMO_RL_CHECKPOINTING = {

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _automodel_helpers import (
+
+from tests.automodel._automodel_helpers import (
     assert_states_equal,
     build_llama,
     full_state,

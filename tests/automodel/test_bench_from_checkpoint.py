@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _automodel_helpers import build_llama, full_state, parallelize, require_nemo_automodel
+from tests.automodel._automodel_helpers import build_llama, full_state, parallelize, require_nemo_automodel
 
 require_nemo_automodel()
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _automodel_helpers import assert_states_equal, build_llama, full_state, parallelize, require_nemo_automodel
+
+from tests.automodel._automodel_helpers import (
+    assert_states_equal,
+    build_llama,
+    full_state,
+    parallelize,
+    require_nemo_automodel,
+)
 
 require_nemo_automodel()
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _automodel_helpers import (
+
+from tests.automodel._automodel_helpers import (
     assert_states_equal,
     batches,
     build_llama,

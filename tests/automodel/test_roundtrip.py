@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-from _automodel_helpers import (
+
+from tests.automodel._automodel_helpers import (
     assert_states_equal,
     batches,
     build_llama,

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from _automodel_helpers import require_nemo_automodel
+
+from tests.automodel._automodel_helpers import require_nemo_automodel
 
 require_nemo_automodel()
 

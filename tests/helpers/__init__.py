@@ -1,1 +1,1 @@
-"""Helpers shared by the core tests (imported as ``helpers``; ``tests/`` is on ``sys.path``)."""
+"""Helpers shared by the core tests (imported as ``tests.helpers.<module>``)."""

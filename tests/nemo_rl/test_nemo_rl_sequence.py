@@ -24,7 +24,7 @@ from ckpt_core.orchestration.coordinator import CallResult
 from ckpt_core.orchestration.local import LocalProcessPool
 
 HERE = Path(__file__).resolve().parent
-SERVICE = {"service": "nemo_rl_roles:NemoRlWorker"}
+SERVICE = {"service": "tests.nemo_rl.nemo_rl_roles:NemoRlWorker"}
 BUCKET = 1 << 20  # NeMo RL refuses buckets under 1 MiB
 TIMEOUT_S = 120.0
 GLOO = "ckpt_gloo_cpu.engine:GlooCpuCheckpointEngine"
@@ -67,7 +67,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def pool() -> Any:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parents[1]), env.get("PYTHONPATH")]))
     with LocalProcessPool(
         [SERVICE] * 4, labels=[f"worker {i}" for i in range(4)], env=env, start_timeout_s=300
     ) as workers:

@@ -1,8 +1,8 @@
 """Fixtures of the reliability suite: the shared worker processes.
 
-This folder has no ``__init__.py``: pytest puts it on ``sys.path``, so tests import the
-helper modules here (``rel_team``, ``fault_engines``, ...) by their plain names, and worker
-processes get it on ``PYTHONPATH`` (:func:`rel_team.worker_env`).
+The helper modules here (``rel_team``, ``fault_engines``, ...) are imported by package
+(``tests.reliability.rel_team``); worker processes get the repository root on ``PYTHONPATH``
+(:func:`~tests.reliability.rel_team.worker_env`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from rel_team import Team
+
+from tests.reliability.rel_team import Team
 
 TEAM_SIZE = 3  # one policy and two rollout ranks at most in any one test
 

@@ -1,4 +1,4 @@
-"""Fault-injecting engines, selected as ``"fault_engines:ClassName"`` backends in tests.
+"""Fault-injecting engines, selected as ``"tests.reliability.fault_engines:ClassName"`` backends in tests.
 
 Test tooling only: this module lives under ``tests/reliability`` and reaches worker processes
 through ``PYTHONPATH``; nothing in ``ckpt_core`` or a plugin imports it. Each class is the real

@@ -16,11 +16,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from rel_team import Team  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.*
 
 from ckpt_core._internal.checksum import payload_checksum  # noqa: E402
+from tests.reliability.rel_team import Team  # noqa: E402
 
 MIB = 1 << 20
 
@@ -48,7 +47,7 @@ def refit_times(total_mib: int = 512, bucket_mib: int = 64, rounds: int = 6) -> 
                 backend="gloo_cpu",
                 bucket_size=bucket_mib * MIB,
                 engine_kwargs={"timeout_s": 120, "checksum": checksum},
-                weights="rel_weights:cached",
+                weights="tests.reliability.rel_weights:cached",
                 weights_params={"sizes": sizes},
                 verify=False,
             )

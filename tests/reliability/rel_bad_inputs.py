@@ -4,7 +4,7 @@
 Each case runs in this process against real engines (a lone engine for option, lifecycle and
 metadata checks; a policy/rollout :class:`~rel_inprocess.Pair` on threads where a peer is
 needed) and raises the error a user would see. ``test_rel_bad_inputs.py`` checks each one;
-``python tests/reliability/rel_bad_inputs.py`` prints the table for the docs from what the
+``python -m tests.reliability.rel_bad_inputs`` prints the table for the docs from what the
 code raises today.
 """
 
@@ -24,8 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from helpers.headers import header_bytes_of, header_fields
-from rel_inprocess import Pair, collect, concurrently
 
 from ckpt_core._internal.wire import FORMAT_VERSION, BucketHeader, decode_header, encode_header
 from ckpt_core.base import CheckpointEngine, TensorMeta, create_checkpoint_engine, merge_weight_chunk_batches
@@ -44,6 +42,8 @@ from ckpt_core.errors import (
     WireFormatError,
 )
 from ckpt_core.orchestration.coordinator import RefitCoordinator
+from tests.helpers.headers import header_bytes_of, header_fields
+from tests.reliability.rel_inprocess import Pair, collect, concurrently
 
 BUCKET = 4096
 

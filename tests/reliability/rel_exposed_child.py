@@ -20,10 +20,10 @@ import sys
 from typing import Any
 
 import torch
-from rel_inprocess import collect, concurrently
-from rel_net import descriptor_count, listening_sockets
 
 from ckpt_core.base import create_checkpoint_engine
+from tests.reliability.rel_inprocess import collect, concurrently
+from tests.reliability.rel_net import descriptor_count, listening_sockets
 
 
 def _send(policy: Any, weights: list[tuple[str, torch.Tensor]]) -> None:

@@ -10,11 +10,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rel_team import Team
-
 from ckpt_core.orchestration.coordinator import CallResult, RefitFailedError
 from ckpt_core.orchestration.workload import digests
 from ckpt_core.testing.weights import slow
+from tests.reliability.rel_team import Team
 
 MARKER_WAIT_S = 120.0
 

@@ -4,7 +4,7 @@ Weights whose memory is not there (freed, shrunk, fake, nested), settings that o
 applies, sizes and timeouts past what the layers below can represent, forged headers with huge
 or overflowing shapes, and ``finalize()`` in the middle of a refit. Each must get one of
 ckpt-core's typed errors, like every row of :mod:`rel_bad_inputs`; the test walks every list
-(``test_rel_bad_inputs.py``), and ``python tests/reliability/rel_round3_inputs.py`` prints the
+(``test_rel_bad_inputs.py``), and ``python -m tests.reliability.rel_round3_inputs`` prints the
 rows of all of them for the docs.
 
 Several of these crashed the process before they were fixed (SIGSEGV or SIGABRT from Gloo),
@@ -20,9 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from helpers.headers import header_bytes_of, header_fields
-from rel_bad_inputs import BUCKET, Case, build, engine, init_policy, init_rollout, tensor
-from rel_inprocess import Pair, concurrently
 
 from ckpt_core._internal.assembly import ChunkAssembler
 from ckpt_core._internal.wire import BucketHeader, decode_header, encode_header
@@ -37,6 +34,9 @@ from ckpt_core.errors import (
     UnsupportedTensorError,
     WireFormatError,
 )
+from tests.helpers.headers import header_bytes_of, header_fields
+from tests.reliability.rel_bad_inputs import BUCKET, Case, build, engine, init_policy, init_rollout, tensor
+from tests.reliability.rel_inprocess import Pair, concurrently
 
 # --- weights whose memory is not there ---------------------------------------------------------
 

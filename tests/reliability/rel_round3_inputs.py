@@ -16,9 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rel_bad_inputs import Case, engine, init_policy, init_rollout
-from rel_hostile_inputs import both_refuse
-from rel_inprocess import Pair, concurrently
 
 from ckpt_core.errors import (
     CheckpointEngineError,
@@ -29,6 +26,9 @@ from ckpt_core.errors import (
     UnsupportedTensorError,
     WireFormatError,
 )
+from tests.reliability.rel_bad_inputs import Case, engine, init_policy, init_rollout
+from tests.reliability.rel_hostile_inputs import both_refuse
+from tests.reliability.rel_inprocess import Pair, concurrently
 
 RENDEZVOUS_TIMEOUT_S = 3.0
 MARGIN_S = 2.5
@@ -270,8 +270,8 @@ if __name__ == "__main__":
     import sys
     import tempfile
 
-    from rel_bad_inputs import CASES, markdown_table
-    from rel_hostile_inputs import HOSTILE_CASES
+    from tests.reliability.rel_bad_inputs import CASES, markdown_table
+    from tests.reliability.rel_hostile_inputs import HOSTILE_CASES
 
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
         print(markdown_table(Path(tmp), CASES + HOSTILE_CASES + ROUND3_CASES))

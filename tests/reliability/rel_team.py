@@ -23,15 +23,15 @@ from ckpt_core.orchestration.local import LocalProcessPool
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-SERVICE = {"service": "rel_worker:ReliabilityWorker"}
+SERVICE = {"service": "tests.reliability.rel_worker:ReliabilityWorker"}
 START_TIMEOUT_S = 300.0  # process start under a loaded 2-core machine can take a minute
 
 
 def worker_env() -> dict[str, str]:
-    """This environment with this folder (fault engines, the worker service) and the
-    repository root (``benchmarks``) on ``PYTHONPATH``."""
+    """This environment with the repository root on ``PYTHONPATH``: workers import the fault
+    engines and the worker service as ``tests.reliability.*``, and ``benchmarks``."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), str(REPO), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env
 
 

@@ -1,4 +1,4 @@
-"""Weights factories for the reliability tests (``"rel_weights:NAME"`` targets).
+"""Weights factories for the reliability tests (``"tests.reliability.rel_weights:NAME"`` targets).
 
 Called as ``factory(params, refit_index=..., rank=...)`` in a policy worker; deterministic in
 ``(params, refit_index)``, so the test process can recompute the source of any refit.

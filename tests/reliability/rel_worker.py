@@ -79,7 +79,7 @@ class ReliabilityWorker(RefitWorker):
 
     def listening_sockets(self) -> list[str]:
         """``address:port`` of every TCP socket this process is listening on (IPv4 and IPv6)."""
-        from rel_net import listening_sockets
+        from tests.reliability.rel_net import listening_sockets
 
         return listening_sockets(os.getpid())
 

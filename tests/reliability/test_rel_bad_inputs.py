@@ -12,11 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import rel_bad_inputs
-from rel_bad_inputs import CASES as FIRST_CASES
-from rel_bad_inputs import Case, check, run_case
-from rel_hostile_inputs import HOSTILE_CASES
-from rel_round3_inputs import ROUND3_CASES
+
+from tests.reliability import rel_bad_inputs
+from tests.reliability.rel_bad_inputs import CASES as FIRST_CASES
+from tests.reliability.rel_bad_inputs import Case, check, run_case
+from tests.reliability.rel_hostile_inputs import HOSTILE_CASES
+from tests.reliability.rel_round3_inputs import ROUND3_CASES
 
 CASES = FIRST_CASES + HOSTILE_CASES + ROUND3_CASES
 

@@ -13,7 +13,8 @@ import os
 from collections.abc import Iterator
 
 import torch
-from rel_inprocess import Pair
+
+from tests.reliability.rel_inprocess import Pair
 
 
 def _slot_memory() -> list[str]:

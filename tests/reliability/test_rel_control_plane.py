@@ -23,12 +23,7 @@ from typing import Any
 import hypothesis.strategies as st
 import pytest
 import torch
-from helpers.headers import header_bytes_of, header_fields
 from hypothesis import HealthCheck, example, given, settings
-from rel_inprocess import Pair
-from rel_net import listening_sockets
-from rel_pickle_scan import FORBIDDEN_METHODS, production_modules, scan, scan_source
-from rel_team import REPO, Team
 
 from ckpt_core._internal.wire import BucketHeader, decode_header, encode_header
 from ckpt_core.base import TensorMeta, create_checkpoint_engine
@@ -37,6 +32,11 @@ from ckpt_core.orchestration import protocol
 from ckpt_cuda_ipc.buffers import HostSlots
 from ckpt_cuda_ipc.control import Channel, decode_json
 from ckpt_cuda_ipc.transport import IpcReceiver, IpcSender
+from tests.helpers.headers import header_bytes_of, header_fields
+from tests.reliability.rel_inprocess import Pair
+from tests.reliability.rel_net import listening_sockets
+from tests.reliability.rel_pickle_scan import FORBIDDEN_METHODS, production_modules, scan, scan_source
+from tests.reliability.rel_team import REPO, Team
 
 FUZZ = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 BUCKET = 4096

@@ -29,11 +29,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from rel_inprocess import collect, concurrently
-from rel_team import HERE, worker_env
 
 from ckpt_core.base import CheckpointEngine, create_checkpoint_engine
 from ckpt_cuda_ipc.control import Kind, encode_json
+from tests.reliability.rel_inprocess import collect, concurrently
+from tests.reliability.rel_team import HERE, worker_env
 
 NOFILE = 256
 """The child's descriptor limit: it holds about 40 after init, so ~220 leaked connections kill it."""

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rel_faults import Striker, clear, failures_by_worker, read_trail, slow_source
-from rel_team import Team
 
 from ckpt_core.orchestration.coordinator import RefitCoordinator, RefitFailedError
+from tests.reliability.rel_faults import Striker, clear, failures_by_worker, read_trail, slow_source
+from tests.reliability.rel_team import Team
 
 pytestmark = pytest.mark.slow
 
@@ -85,7 +85,7 @@ def test_killed_rollout_fails_every_rank_in_bounded_time_then_recovers(
     params = {**SLOW, "marker": str(tmp_path / "in-flight")}
     striker = Striker(team, R1, tmp_path / "in-flight")
     with pytest.raises(RefitFailedError) as caught:
-        coordinator.refit(weights="rel_weights:marked", weights_params=params)
+        coordinator.refit(weights="tests.reliability.rel_weights:marked", weights_params=params)
     elapsed = striker.seconds_since_strike()
     assert elapsed < TIMEOUT_S + MARGIN_S, f"the refit took {elapsed:.1f}s to fail after the kill: a hang"
 
@@ -120,7 +120,7 @@ def test_killed_policy_fails_every_rollout_without_partial_tensors_then_recovers
     params = {**SLOW, "marker": str(tmp_path / "in-flight")}
     striker = Striker(team, P, tmp_path / "in-flight")
     with pytest.raises(RefitFailedError) as caught:
-        coordinator.refit(weights="rel_weights:marked", weights_params=params)
+        coordinator.refit(weights="tests.reliability.rel_weights:marked", weights_params=params)
     elapsed = striker.seconds_since_strike()
     assert elapsed < TIMEOUT_S + MARGIN_S, f"the refit took {elapsed:.1f}s to fail after the kill: a hang"
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from rel_faults import failures_by_worker
-from rel_team import Team
 
 from ckpt_core.orchestration.coordinator import RefitFailedError
+from tests.reliability.rel_faults import failures_by_worker
+from tests.reliability.rel_team import Team
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ def test_a_flipped_bit_in_flight_raises_integrity_error_on_the_receiver(team: Te
     coordinator = team.coordinator(
         policy=[P],
         rollout=[R0],
-        backend="fault_engines:CorruptingGlooEngine",
+        backend="tests.reliability.fault_engines:CorruptingGlooEngine",
         bucket_size=BUCKET,
         engine_kwargs={**OPTIONS, "corrupt_bucket": 1},
         weights="ckpt_core.testing.weights:sized",
@@ -51,7 +51,7 @@ def test_a_receiver_side_failure_ends_the_senders_refit_promptly(team: Team) -> 
     coordinator = team.coordinator(
         policy=[P],
         rollout=[R0],
-        backend="fault_engines:CorruptingGlooEngine",
+        backend="tests.reliability.fault_engines:CorruptingGlooEngine",
         bucket_size=BUCKET,
         engine_kwargs={"timeout_s": timeout_s, "corrupt_bucket": 1, "checksum": True},
         weights="ckpt_core.testing.weights:sized",
@@ -78,7 +78,7 @@ def test_without_checksums_the_same_corruption_reaches_the_caller(team: Team) ->
     coordinator = team.coordinator(
         policy=[P],
         rollout=[R0],
-        backend="fault_engines:CorruptingGlooEngine",
+        backend="tests.reliability.fault_engines:CorruptingGlooEngine",
         bucket_size=BUCKET,
         engine_kwargs={**OPTIONS, "corrupt_bucket": 1, "checksum": False},
         weights="ckpt_core.testing.weights:sized",
@@ -106,7 +106,7 @@ def test_a_refit_missing_tensors_on_a_rollout_is_not_complete(team: Team, verify
     coordinator = team.coordinator(
         policy=[P],
         rollout=[R0],
-        backend="fault_engines:TruncatingGlooEngine",
+        backend="tests.reliability.fault_engines:TruncatingGlooEngine",
         bucket_size=BUCKET,
         engine_kwargs=OPTIONS,
         weights="ckpt_core.testing.weights:sized",

@@ -19,13 +19,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from rel_faults import MARKER_WAIT_S, failures_by_worker
-from rel_net import listening_sockets
-from rel_netns import NamespacedProcessPool, TwoHosts, unavailable_reason
-from rel_team import worker_env
 
 from ckpt_core.orchestration.coordinator import RefitCoordinator, RefitFailedError
 from ckpt_core.orchestration.worker import refit_worker_specs
+from tests.reliability.rel_faults import MARKER_WAIT_S, failures_by_worker
+from tests.reliability.rel_net import listening_sockets
+from tests.reliability.rel_netns import NamespacedProcessPool, TwoHosts, unavailable_reason
+from tests.reliability.rel_team import worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ def test_refit_across_two_hosts_then_a_cut_link_fails_both_sides_in_bounded_time
         weights="ckpt_core.testing.weights:every_dtype",
     )
     for spec, address in zip(specs, hosts.addresses):
-        spec["service"] = "rel_worker:ReliabilityWorker"
+        spec["service"] = "tests.reliability.rel_worker:ReliabilityWorker"
         spec["engine_kwargs"] = {**spec["engine_kwargs"], "host": address}
     prefixes = [hosts.prefix(POLICY_HOST), hosts.prefix(ROLLOUT_HOST)]
     with NamespacedProcessPool(specs, labels=labels, prefixes=prefixes, env=worker_env()) as pool:
@@ -83,7 +83,7 @@ def test_refit_across_two_hosts_then_a_cut_link_fails_both_sides_in_bounded_time
         cutter = threading.Thread(target=cut_when_in_flight, daemon=True)
         cutter.start()
         with pytest.raises(RefitFailedError) as caught:
-            coordinator.refit(weights="rel_weights:marked", weights_params=params)
+            coordinator.refit(weights="tests.reliability.rel_weights:marked", weights_params=params)
         returned = time.monotonic()
         cutter.join(MARKER_WAIT_S)
         assert marker.exists(), "the refit never got in flight"

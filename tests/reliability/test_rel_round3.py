@@ -23,13 +23,13 @@ from typing import Any
 
 import pytest
 import torch
-from rel_faults import Striker, failures_by_worker
-from rel_inprocess import Pair
-from rel_round3_inputs import frees_previous, refills_one_buffer
-from rel_team import Team
 
 from ckpt_core.orchestration.coordinator import RefitFailedError
 from ckpt_core.transport import BucketedEngine
+from tests.reliability.rel_faults import Striker, failures_by_worker
+from tests.reliability.rel_inprocess import Pair
+from tests.reliability.rel_round3_inputs import frees_previous, refills_one_buffer
+from tests.reliability.rel_team import Team
 
 SMALL = 64  # elements: small tensors, packed (copied) into buckets, replayed in spans when safe
 COUNT = 40
@@ -129,7 +129,7 @@ def test_killed_rollout_is_a_typed_error_on_the_policy(
         params: dict[str, Any] = {**SLOW, "marker": str(tmp_path / "in-flight")}
         striker = Striker(team, victim, tmp_path / "in-flight")
         with pytest.raises(RefitFailedError) as caught:
-            coordinator.refit(weights="rel_weights:marked", weights_params=params)
+            coordinator.refit(weights="tests.reliability.rel_weights:marked", weights_params=params)
         elapsed = striker.seconds_since_strike()
         assert elapsed < TIMEOUT_S + MARGIN_S, f"the refit took {elapsed:.1f}s to fail after the kill: a hang"
         policy = failures_by_worker(caught.value)["policy rank 0"]

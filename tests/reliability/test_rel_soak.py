@@ -10,7 +10,8 @@ from __future__ import annotations
 import sys
 
 import pytest
-from rel_team import REPO, Team
+
+from tests.reliability.rel_team import REPO, Team
 
 # benchmarks/ is a folder of the repository, not an installed package (as in test_benchmarks_smoke).
 sys.path.insert(0, str(REPO))
