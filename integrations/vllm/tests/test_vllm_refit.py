@@ -51,7 +51,7 @@ def in_parallel(trainer_side: Callable[[], Any], rollout_side: Callable[[], Any]
 
 def set_up(trainer: LocalProcessPool, rollout: VllmRollout) -> None:
     metadata = [trainer.call([(0, "prepare", {})], CALL_TIMEOUT_S)[0].value, *rollout.prepare()]
-    sizes = {"train_world_size": 1, "rollout_world_size": rollout.world_size, "metadata": metadata}
+    sizes: dict[str, Any] = {"train_world_size": 1, "rollout_world_size": rollout.world_size, "metadata": metadata}
     (trained,), _ = in_parallel(
         lambda: trainer.call([(0, "init", sizes)], CALL_TIMEOUT_S), lambda: rollout.init(**sizes)
     )
@@ -141,12 +141,12 @@ def test_bad_method_arguments_are_refused_before_anything_changes(refitted_llm: 
     try:
         for bad in ("x", -1, 1.5, True):
             with pytest.raises(InvalidArgumentError, match=f"weight_version must be an int >= 0, got {bad!r}"):
-                rollout.commit(weight_version=bad)
+                rollout.commit(weight_version=bad)  # type: ignore[arg-type]  # the point
         for bad in (-1, "0"):
             with pytest.raises(InvalidArgumentError, match=f"refit_index must be an int >= 0, got {bad!r}"):
-                rollout.refit(refit_index=bad)
+                rollout.refit(refit_index=bad)  # type: ignore[arg-type]  # the point
         with pytest.raises(InvalidArgumentError, match="allow_stale must be True or False, got 'no'"):
-            rollout.generate([{"prompt_token_ids": [1, 2]}], allow_stale="no")
+            rollout.generate([{"prompt_token_ids": [1, 2]}], allow_stale="no")  # type: ignore[arg-type]
         assert rollout.is_current and rollout.weight_version == 0
         assert all(s["current"] and s["weight_version"] == 0 for s in rollout.status())
     finally:

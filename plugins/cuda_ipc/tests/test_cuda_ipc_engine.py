@@ -16,7 +16,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import pytest
@@ -35,6 +35,8 @@ from ckpt_core.errors import (
 from ckpt_core.registry import list_backends
 from ckpt_cuda_ipc import CudaIpcCheckpointEngine
 from ckpt_cuda_ipc.control import Kind, Listener, encode_json, sweep_stale
+
+Weights = Generator[tuple[str, torch.Tensor], None, None]
 
 BUCKET = 4096
 
@@ -108,14 +110,14 @@ def receive(engine: CudaIpcCheckpointEngine) -> dict[str, torch.Tensor]:
 def refit(
     policy: CudaIpcCheckpointEngine,
     rollouts: list[CudaIpcCheckpointEngine],
-    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]],
+    weights: Callable[[], Weights],
 ) -> Threads:
     calls: list[Callable[[], Any]] = [lambda: asyncio.run(policy.send_weights(weights()))]
     calls += [functools.partial(receive, r) for r in rollouts]
     return Threads(calls).join()
 
 
-def sample_weights(seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+def sample_weights(seed: int) -> Weights:
     g = torch.Generator().manual_seed(seed)
     yield "big", torch.randn(3 * BUCKET // 4 + 7, generator=g)  # spans several buckets
     yield "empty", torch.empty(0, 5)
@@ -282,7 +284,7 @@ def test_rejected_rollout_gets_a_clear_error(sockets: str) -> None:
 def test_failed_init_must_start_over(sockets: str) -> None:
     policy, rollout = make(socket_dir=sockets, timeout_s=0.3), make(socket_dir=sockets)
     metadata = [policy.prepare(), rollout.prepare()]
-    init = dict(worker_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata)
+    init: dict[str, Any] = dict(worker_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata)
     with pytest.raises(TransferTimeoutError, match=r"rollout ranks \[0\] to connect"):
         policy.init_policy_process_group(**init)
     with pytest.raises(LifecycleError, match="finalize"):
@@ -341,7 +343,7 @@ def test_failing_weights_abort_every_rollout_promptly(sockets: str) -> None:
     )
     connect(policy, rollouts)
 
-    def failing() -> Iterator[tuple[str, torch.Tensor]]:
+    def failing() -> Weights:
         yield from sample_weights(0)
         raise ValueError("the trainer broke")
 
