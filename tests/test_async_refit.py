@@ -264,6 +264,7 @@ def _setup(pool: LocalProcessPool) -> None:
     _call(pool, "init", {"metadata": metadata}, {"metadata": metadata})
 
 
+@pytest.mark.alone  # a 50 ms bound: measured with the machine to itself (see make test)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_ticking_coroutine_on_either_side_keeps_its_pace_during_a_256_mib_refit(
     backend: tuple[str, dict[str, Any]], import_root: Path, short_tmp: Path

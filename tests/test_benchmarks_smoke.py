@@ -119,15 +119,21 @@ def test_a_failing_backend_is_recorded_and_the_others_still_run(tmp_path: Path) 
 def test_the_producing_workload_runs_side_by_side(tmp_path: Path) -> None:
     """``python -m benchmarks.produce`` in a tiny configuration: every method runs on the
     produced payload, the refit of produced weights is verified bit-exact in its warm-up, and the
-    ratios the performance issue sets are reported."""
+    ratios the performance issue sets are reported. One mode, cast-bf16 (the one whose payload
+    differs from the ready weights'); the fill mode's producer is run by test_cli_bench.py."""
     from benchmarks.produce import main
 
     assert (
-        main(["--size", "8MiB", "--bucket-size", "2MiB", "--reps", "1", "--out", str(tmp_path), "--timeout", "120"])
+        main(
+            [
+                *("--size", "8MiB", "--bucket-size", "2MiB", "--reps", "1", "--modes", "cast-bf16"),
+                *("--out", str(tmp_path), "--timeout", "120"),
+            ]
+        )
         == 0
     )
     results = json.loads((tmp_path / "produce.json").read_text())
-    assert set(results["modes"]) == {"cast-bf16", "fill"}
+    assert set(results["modes"]) == {"cast-bf16"}
     # producing alone gets the threads the refit's policy process has: half the cores
     assert results["produce_threads"] == max(1, (os.cpu_count() or 2) // 2)
     for mode, result in results["modes"].items():
@@ -160,7 +166,6 @@ def test_the_producing_workload_runs_side_by_side(tmp_path: Path) -> None:
         assert result["over_floor"] == pytest.approx(result["median_seconds"]["refit"] / max(floors.values()))
     # cast-bf16 turns the payload's fp32 norms into bf16: fewer bytes than the ready payload
     assert results["modes"]["cast-bf16"]["payload_bytes"] < results["modes"]["cast-bf16"]["ready_payload_bytes"]
-    assert results["modes"]["fill"]["payload_bytes"] == results["modes"]["fill"]["ready_payload_bytes"]
     markdown = (tmp_path / "produce.md").read_text()
     assert "| cast-bf16 |" in markdown and f"What {results['cores']} cores allow" in markdown
 

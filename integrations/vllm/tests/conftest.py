@@ -144,10 +144,15 @@ def tp(request: pytest.FixtureRequest) -> int:
 
 @pytest.fixture(scope="module")
 def reference_tokens(tp: int, checkpoints: dict[str, Any]) -> list[list[list[int]]]:
-    """What a fresh engine loaded from W_k on disk generates, for k = 1..2."""
-    references = []
-    for path in checkpoints["weights"]:
-        with vllm_engine(path, tp) as fresh:
+    """What vLLM generates from W_k on disk, for k = 1..REFITS: a fresh engine loaded from W1,
+    then, on that engine, vLLM's own reload of each later W_k (its loader, not ours: one
+    engine start-up instead of one per version)."""
+    first, *later = checkpoints["weights"]
+    with vllm_engine(first, tp) as fresh:
+        references = [greedy_tokens(fresh.generate)]
+        for path in later:
+            fresh.collective_rpc("reload_weights", kwargs={"weights_path": str(path), "is_checkpoint_format": True})
+            assert fresh.reset_prefix_cache()
             references.append(greedy_tokens(fresh.generate))
     assert references[0] != references[1], "the optimizer steps did not change the tokens"
     return references

@@ -1,8 +1,9 @@
-"""Refits into a running vLLM engine, checked token for token against fresh engines.
+"""Refits into a running vLLM engine, checked token for token against what vLLM loads itself.
 
 For tensor-parallel sizes 1 and 2 (module-scoped fixtures in conftest.py): a trainer process
 replays the optimizer steps that produced W1..W2 and refits one long-lived engine after each;
-its greedy tokens must equal those of a fresh engine loaded from W_k on disk. Then faults: a
+its greedy tokens must equal what vLLM generates from W_k on disk (a fresh engine loaded from
+W1; on it, vLLM's own reload of W2: see ``reference_tokens`` in conftest.py). Then faults: a
 trainer killed mid-refit and bad weights leave the engine marked not current, with its
 version unchanged, and the next full refit recovers.
 """
@@ -77,7 +78,7 @@ def refit(trainer: LocalProcessPool, rollout: VllmRollout, **faults: Any) -> tup
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_refits_through_the_coordinator_match_fresh_engines(
+def test_refits_through_the_coordinator_match_what_vllm_loads_from_disk(
     case: str, refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
 ) -> None:
     """Two refits in a row on one engine (its weights change every time: each case starts
@@ -252,28 +253,29 @@ BAD_WEIGHTS: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
 def test_a_bad_weight_is_a_clear_error_and_never_reported_current(
     refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
 ) -> None:
-    """Each kind of bad weight in turn, on one engine (a trainer per refit, the rollout reset
-    after each failure): every rank names the weight with the expected error, and the engine is
-    marked not current and refuses to generate. Then one full refit recovers it."""
+    """Each kind of bad weight in turn, on one engine and from one trainer (its engine and the
+    rollout's reset after each failure): every rank names the weight with the expected error,
+    and the engine is marked not current and refuses to generate. Then one full refit of the
+    same weights recovers it."""
     rollout = VllmRollout(refitted_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET, engine_kwargs={"timeout_s": 10.0})
     try:
-        for kind, (fault, error, named) in BAD_WEIGHTS.items():
-            with trainer_pool(checkpoints["start"], "gloo_cpu", timeout_s=10.0) as trainer:
-                set_up(trainer, rollout)
-                train(trainer)
-                _, received = refit(trainer, rollout, **fault)
-            assert isinstance(received, RefitFailedError), (kind, received)
-            for failure in received.failures:
-                assert failure.error_type == error.__name__, (kind, failure.describe())
-                assert named in (failure.message or ""), (kind, failure.describe())
-            assert not any(s["current"] for s in rollout.status()), kind
-            with pytest.raises(StaleWeightsError):
-                rollout.generate([{"prompt_token_ids": [1, 2]}])
-            rollout.reset()
-
         with trainer_pool(checkpoints["start"], "gloo_cpu", timeout_s=10.0) as trainer:
+            train(trainer)  # W1, sent with each fault and then whole
+            for kind, (fault, error, named) in BAD_WEIGHTS.items():
+                set_up(trainer, rollout)
+                _, received = refit(trainer, rollout, **fault)
+                assert isinstance(received, RefitFailedError), (kind, received)
+                for failure in received.failures:
+                    assert failure.error_type == error.__name__, (kind, failure.describe())
+                    assert named in (failure.message or ""), (kind, failure.describe())
+                assert not any(s["current"] for s in rollout.status()), kind
+                with pytest.raises(StaleWeightsError):
+                    rollout.generate([{"prompt_token_ids": [1, 2]}])
+                (reset,) = trainer.call([(0, "reset", {})], CALL_TIMEOUT_S)
+                assert reset.ok, reset.describe()
+                rollout.reset()
+
             set_up(trainer, rollout)
-            train(trainer)
             _, received = refit(trainer, rollout)
             assert not isinstance(received, Exception), received
         assert greedy_tokens(rollout.generate) == reference_tokens[0]
@@ -286,8 +288,8 @@ def test_a_sharded_refit_sends_each_rank_only_its_shards(
     backend: str, tp: int, refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
 ) -> None:
     """One trainer feeding every tensor-parallel rank a stream of its own (topology fanout),
-    each rank's layout derived from its live model: two refits in a row generate what fresh
-    engines loaded from W_k do, and each rank receives its own parameters' bytes (its shards
+    each rank's layout derived from its live model: two refits in a row generate what vLLM
+    generates from W_k on disk, and each rank receives its own parameters' bytes (its shards
     and what it replicates), not the model's (at TP 1, the one rank keeps it all)."""
     options = {**BACKENDS[backend], "shard_expert_weights": True, "topology": "fanout"}
     rollout = VllmRollout(refitted_llm, backend=backend, bucket_size_bytes=BUCKET, engine_kwargs=options)
