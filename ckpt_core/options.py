@@ -34,6 +34,7 @@ __all__ = [
     "check_bucket_size",
     "check_choice",
     "check_count",
+    "check_kwargs_shape",
     "check_positive_number",
     "schema_of",
 ]
@@ -91,6 +92,19 @@ def check_count(owner: str, option: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise EngineOptionError(f"{_prefix(owner)}{option} must be an int >= 0, got {value!r}")
     return value
+
+
+def check_kwargs_shape(engine_kwargs: Any) -> dict[str, Any]:
+    """``engine_kwargs`` if it is a dict with string keys (option names), else
+    ``EngineOptionError``; the names themselves are the schema's to check."""
+    if not isinstance(engine_kwargs, dict):
+        raise EngineOptionError(
+            f"engine_kwargs must be a dict of option name to value, got {type(engine_kwargs).__name__}"
+        )
+    for key in engine_kwargs:
+        if not isinstance(key, str):
+            raise EngineOptionError(f"engine option names must be strings, got {key!r}")
+    return engine_kwargs
 
 
 # --- the schema -----------------------------------------------------------------------------
@@ -354,13 +368,7 @@ class OptionSchema(Mapping[str, Option]):
         ``EngineOptionError`` for a non-dict, a non-string key, an option that is an argument
         of its own (``bucket_size``), an unknown name (naming the accepted ones and the
         closest) or a missing required one."""
-        if not isinstance(engine_kwargs, dict):
-            raise EngineOptionError(
-                f"engine_kwargs must be a dict of option name to value, got {type(engine_kwargs).__name__}"
-            )
-        for key in engine_kwargs:
-            if not isinstance(key, str):
-                raise EngineOptionError(f"engine option names must be strings, got {key!r}")
+        for key in check_kwargs_shape(engine_kwargs):
             option = self._options.get(key)
             if option is not None and option.argument is not None:
                 raise EngineOptionError(

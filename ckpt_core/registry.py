@@ -31,7 +31,7 @@ from ckpt_core.errors import (
     NotAnEngineError,
     UnknownBackendError,
 )
-from ckpt_core.options import check_bucket_size, schema_of
+from ckpt_core.options import check_bucket_size, check_kwargs_shape, schema_of
 from ckpt_core.transport.capabilities import BackendCapabilities, declared_capabilities, unavailable_reason
 
 ENTRY_POINT_GROUP = "ckpt_core.backends"
@@ -254,13 +254,7 @@ def check_engine_kwargs(engine_class: type[CheckpointEngine], engine_kwargs: Any
     if schema is not None:
         schema.check_kwargs(engine_class.__name__, engine_kwargs)
         return
-    if not isinstance(engine_kwargs, dict):
-        raise EngineOptionError(
-            f"engine_kwargs must be a dict of option name to value, got {type(engine_kwargs).__name__}"
-        )
-    for key in engine_kwargs:
-        if not isinstance(key, str):
-            raise EngineOptionError(f"engine option names must be strings, got {key!r}")
+    for key in check_kwargs_shape(engine_kwargs):
         if key == "bucket_size":
             raise EngineOptionError(
                 "pass bucket_size as create_checkpoint_engine(bucket_size_bytes=...), not in engine_kwargs"
