@@ -81,6 +81,18 @@ def test_readme_backends_table_lists_each_topology() -> None:
         assert documented == set(resolve_backend(backend).options["topology"].choices), row  # type: ignore[attr-defined]
 
 
+def test_the_nemo_rl_guide_names_only_options_its_engines_have() -> None:
+    """docs/nemo-rl.md's table of NeMo RL options (``| `name` | engines | meaning |``, without
+    defaults): each option exists on every engine the row names (``all``: the three)."""
+    text = (REPO / "docs" / "nemo-rl.md").read_text()
+    rows = option_table(text, after="| option | engines | meaning |")
+    assert rows, "docs/nemo-rl.md has no option table"
+    for name, engines in rows.items():
+        backends = list(PLUGIN_TABLES) if engines == "all" else [e.strip() for e in engines.split(",")]
+        for backend in backends:
+            assert name in resolve_backend(backend).options, f"docs/nemo-rl.md: {backend} has no option {name!r}"  # type: ignore[attr-defined]
+
+
 def test_the_check_fails_on_a_wrong_default_a_missing_or_an_extra_option() -> None:
     schema = BucketedEngine.options
     table = (
