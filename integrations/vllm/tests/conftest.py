@@ -1,5 +1,5 @@
 """Fixtures for refits into a real vLLM (the CPU build in CI): tiny Qwen2 checkpoints, the
-token ids fresh engines generate from them, and one long-lived refitted engine per
+token ids vLLM itself generates from them, and one long-lived refitted engine per
 tensor-parallel size (vLLM's start-up, ~20 s, dominates these tests)."""
 
 from __future__ import annotations
