@@ -20,12 +20,11 @@ $(STAMP): requirements-dev.txt pyproject.toml plugins/*/pyproject.toml integrati
 
 ## The whole test suite (what CI runs), with its 25 slowest steps listed. GPU tests skip
 ## without CUDA. Test modules run side by side in TEST_WORKERS processes (pytest-xdist; a
-## module's tests stay in one process, sharing its fixtures; vLLM's tests, the longest, first
-## and all in one process: tests/conftest.py), then the tests marked `alone` (latency bounds,
-## which need the machine to themselves) run by themselves.
+## module's tests stay in one process, sharing its fixtures), then the tests marked `alone`
+## (latency bounds, which need the machine to themselves) run by themselves.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "not alone" --durations=25
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope -m "not alone" --durations=25
 	$(BIN)/python -m pytest -m alone --durations=5
 
 ## Lint and format check (ruff, configured in pyproject.toml; CI runs it after the tests).
