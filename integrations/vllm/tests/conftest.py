@@ -1,6 +1,6 @@
 """Fixtures for refits into a real vLLM (the CPU build in CI): tiny Qwen2 checkpoints, the
 token ids vLLM itself generates from them, and one long-lived refitted engine per
-tensor-parallel size (vLLM's start-up, ~20 s, dominates these tests)."""
+tensor-parallel size (vLLM's start-up, ~30 s, dominates these tests)."""
 
 from __future__ import annotations
 
@@ -137,32 +137,46 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"start": start, "weights": saved, "digests": sent}
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def reload_from_disk(llm: Any, path: Path) -> None:
+    """vLLM's own in-place reload of the weights at ``path`` (its loader, not ours), then a
+    reset of the prefix cache, which holds keys and values of the old weights."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path), "is_checkpoint_format": True})
+    assert llm.reset_prefix_cache()
+
+
+@pytest.fixture(scope="class")
 def tp(request: pytest.FixtureRequest) -> int:
-    return int(request.param)
+    """The tensor-parallel size of the test class (its ``TP``): a class is one unit for
+    pytest-xdist (``--dist loadscope``), so the sizes' engines run side by side."""
+    return int(request.cls.TP)
 
 
-@pytest.fixture(scope="module")
-def reference_tokens(tp: int, checkpoints: dict[str, Any]) -> list[list[list[int]]]:
-    """What vLLM generates from W_k on disk, for k = 1..REFITS: a fresh engine loaded from W1,
-    then, on that engine, vLLM's own reload of each later W_k (its loader, not ours: one
-    engine start-up instead of one per version)."""
-    first, *later = checkpoints["weights"]
-    with vllm_engine(first, tp) as fresh:
-        references = [greedy_tokens(fresh.generate)]
-        for path in later:
-            fresh.collective_rpc("reload_weights", kwargs={"weights_path": str(path), "is_checkpoint_format": True})
-            assert fresh.reset_prefix_cache()
-            references.append(greedy_tokens(fresh.generate))
-    assert references[0] != references[1], "the optimizer steps did not change the tokens"
-    return references
-
-
-@pytest.fixture(scope="module")
-def refitted_llm(tp: int, checkpoints: dict[str, Any], reference_tokens: list[Any]) -> Iterator[Any]:
-    """One engine with the worker extension, started from the start-up model, refitted by
-    every test of the module in turn (after the references: one engine runs at a time)."""
+@pytest.fixture(scope="class")
+def engine_and_references(tp: int, checkpoints: dict[str, Any]) -> Iterator[tuple[Any, list[list[list[int]]]]]:
+    """One engine with the worker extension per tensor-parallel size, and the tokens every
+    refit must reproduce: for W1, what the engine generates right after start-up from W1 on
+    disk (a fresh engine); for each later W_k, after vLLM's own reload of it. Then vLLM
+    reloads the start-up model, so the first refit must change every weight; the class's
+    tests refit it in turn."""
     from ckpt_vllm import WORKER_EXTENSION
 
-    with vllm_engine(checkpoints["start"], tp, worker_extension_cls=WORKER_EXTENSION) as llm:
-        yield llm
+    first, *later = checkpoints["weights"]
+    with vllm_engine(first, tp, worker_extension_cls=WORKER_EXTENSION) as llm:
+        references = [greedy_tokens(llm.generate)]
+        for path in later:
+            reload_from_disk(llm, path)
+            references.append(greedy_tokens(llm.generate))
+        reload_from_disk(llm, checkpoints["start"])
+        assert references[0] != references[1], "the optimizer steps did not change the tokens"
+        assert greedy_tokens(llm.generate) != references[0], "the start-up model generates what W1 does"
+        yield llm, references
+
+
+@pytest.fixture(scope="class")
+def refitted_llm(engine_and_references: tuple[Any, list[Any]]) -> Any:
+    return engine_and_references[0]
+
+
+@pytest.fixture(scope="class")
+def reference_tokens(engine_and_references: tuple[Any, list[list[list[int]]]]) -> list[list[list[int]]]:
+    return engine_and_references[1]

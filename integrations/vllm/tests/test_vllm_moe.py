@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import HERE, REFITS, greedy_tokens, vllm_engine
+from conftest import HERE, REFITS, greedy_tokens, reload_from_disk, vllm_engine
 from moe_weights import save_fused_version, save_tiny_qwen2_moe, save_version
 
 from ckpt_core.orchestration.coordinator import RefitCoordinator
@@ -66,8 +66,7 @@ def trainer(start: Path, weights: str = "moe_weights:perturbed", version: int = 
 
 def reloaded_tokens(llm: Any, path: Path) -> list[list[int]]:
     """What ``llm`` generates after vLLM's own reload of the weights at ``path``."""
-    llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path), "is_checkpoint_format": True})
-    assert llm.reset_prefix_cache()
+    reload_from_disk(llm, path)
     return greedy_tokens(llm.generate)
 
 

@@ -1,11 +1,12 @@
 """Refits into a running vLLM engine, checked token for token against what vLLM loads itself.
 
-For tensor-parallel sizes 1 and 2 (module-scoped fixtures in conftest.py): a trainer process
-replays the optimizer steps that produced W1..W2 and refits one long-lived engine after each;
-its greedy tokens must equal what vLLM generates from W_k on disk (a fresh engine loaded from
-W1; on it, vLLM's own reload of W2: see ``reference_tokens`` in conftest.py). Then faults: a
-trainer killed mid-refit and bad weights leave the engine marked not current, with its
-version unchanged, and the next full refit recovers.
+For tensor-parallel sizes 1 and 2 (one test class each, one engine per class: fixtures in
+conftest.py): a trainer process replays the optimizer steps that produced W1..W2 and refits the
+engine after each; its greedy tokens must equal what vLLM generates from W_k on disk (from W1
+right after start-up, a fresh engine; from W2 after vLLM's own reload: see
+``engine_and_references`` in conftest.py). Then faults: a trainer killed mid-refit and bad
+weights leave the engine marked not current, with its version unchanged, and the next full
+refit recovers.
 """
 
 from __future__ import annotations
@@ -77,158 +78,6 @@ def refit(trainer: LocalProcessPool, rollout: VllmRollout, **faults: Any) -> tup
     return sent, received
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_refits_through_the_coordinator_match_what_vllm_loads_from_disk(
-    case: str, refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
-) -> None:
-    """Two refits in a row on one engine (its weights change every time: each case starts
-    again from W1 over the last one's W2), driven by a RefitCoordinator that checks every
-    tensor's digest before it commits. With 1 MiB buckets layers span batches, so borrowed
-    batches hold weights vLLM keeps past the batch: the rank must have cloned them (without
-    that, tokens differ: tried)."""
-    backend, engine_kwargs = CASES[case]
-    borrowed = engine_kwargs.get("borrow_received_tensors", True)
-    rollout = VllmRollout(
-        refitted_llm, backend=backend, bucket_size_bytes=BUCKET, engine_kwargs=engine_kwargs, verify=True
-    )
-    with trainer_pool(checkpoints["start"], backend, **BACKENDS[backend]) as trainer:
-        pool = JoinedPool(trainer, VllmWorkerPool(rollout))
-        coordinator = RefitCoordinator(pool, num_policy=1, num_rollout=rollout.world_size, timeout_s=CALL_TIMEOUT_S)
-        coordinator.setup()
-        try:
-            for k in range(REFITS):
-                train(trainer)
-                report = coordinator.refit()
-                assert report.policy[0]["digests"] == checkpoints["digests"][k], "the trainer did not replay W"
-                assert greedy_tokens(rollout.generate) == reference_tokens[k], f"tokens differ after refit {k + 1}"
-                assert all(s["current"] and s["weight_version"] == k + 1 for s in rollout.status())
-                for rank_report in report.rollout:
-                    assert rank_report["tensors"] == len(checkpoints["digests"][k])
-                    stats = rank_report["stats"]
-                    if borrowed:  # every byte came in a bucket (the sender packed for a borrower)
-                        assert rank_report["pending_cloned_bytes"] > 0 and stats["direct_chunks"] == 0, rank_report
-                    else:
-                        assert rank_report["pending_cloned_bytes"] == 0, rank_report
-        finally:
-            coordinator.finalize()
-
-
-def test_a_borrowed_weight_that_fills_its_bucket_exactly_is_kept_while_vllm_holds_it(
-    refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
-) -> None:
-    """Buckets the size of one gate_proj weight: it arrives alone, a borrowed view filling its
-    bucket exactly, and vLLM holds it until up_proj completes the fused gate_up_proj. The
-    rank must clone it before the next batch refills that bucket (a check by size missed
-    such a view: the refit succeeded and generated other tokens, tried)."""
-    gate_proj_bytes = TINY_QWEN2["intermediate_size"] * TINY_QWEN2["hidden_size"] * 2  # bf16
-    rollout = VllmRollout(refitted_llm, backend="gloo_cpu", bucket_size_bytes=gate_proj_bytes)
-    try:
-        with sized_trainer_pool(checkpoints["start"], "gloo_cpu", gate_proj_bytes, {}) as trainer:
-            set_up(trainer, rollout)
-            train(trainer)
-            sent, reports = refit(trainer, rollout)
-            assert sent.ok and not isinstance(reports, Exception), reports
-        assert greedy_tokens(rollout.generate) == reference_tokens[0]
-        for report in reports:  # at least the gate_proj of each layer was held past its batch
-            assert report["pending_cloned_bytes"] >= TINY_QWEN2["num_hidden_layers"] * gate_proj_bytes, report
-    finally:
-        rollout.finalize()
-
-
-def test_bad_method_arguments_are_refused_before_anything_changes(refitted_llm: Any) -> None:
-    """A weight version, refit index or ``allow_stale`` of the wrong kind is refused before
-    any rank or vLLM's prefix cache is touched (a string version was committed as given)."""
-    rollout = VllmRollout(refitted_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET)
-    try:
-        for bad in ("x", -1, 1.5, True):
-            with pytest.raises(InvalidArgumentError, match=f"weight_version must be an int >= 0, got {bad!r}"):
-                rollout.commit(weight_version=bad)  # type: ignore[arg-type]  # the point
-        for bad in (-1, "0"):
-            with pytest.raises(InvalidArgumentError, match=f"refit_index must be an int >= 0, got {bad!r}"):
-                rollout.refit(refit_index=bad)  # type: ignore[arg-type]  # the point
-        with pytest.raises(InvalidArgumentError, match="allow_stale must be True or False, got 'no'"):
-            rollout.generate([{"prompt_token_ids": [1, 2]}], allow_stale="no")  # type: ignore[arg-type]
-        assert rollout.is_current and rollout.weight_version == 0
-        assert all(s["current"] and s["weight_version"] == 0 for s in rollout.status())
-    finally:
-        rollout.finalize()
-
-
-def test_a_trainer_killed_mid_refit_leaves_the_engine_not_current_until_the_next_refit(
-    refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
-) -> None:
-    timeout_s = 10.0
-    rollout = VllmRollout(
-        refitted_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET, engine_kwargs={"timeout_s": timeout_s}
-    )
-    try:
-        with trainer_pool(checkpoints["start"], "gloo_cpu", timeout_s=timeout_s) as trainer:
-            set_up(trainer, rollout)
-            train(trainer)
-            assert refit(trainer, rollout)[1] and greedy_tokens(rollout.generate) == reference_tokens[0]
-            before = rollout.status()
-            train(trainer)
-            started = time.monotonic()
-            sent, received = refit(trainer, rollout, die_after=10)
-            elapsed = time.monotonic() - started
-        assert not sent.ok and "SIGKILL" in (sent.message or "")
-        assert isinstance(received, RefitFailedError), received
-        assert len(received.failures) == rollout.world_size, "every vLLM rank must report its failure"
-        for failure in received.failures:
-            assert failure.error_type in {"PeerLostError", "TransferError", "TransferTimeoutError"}, failure.describe()
-        assert elapsed < timeout_s + 15
-        after = rollout.status()
-        assert [s["weight_version"] for s in after] == [s["weight_version"] for s in before]
-        assert not any(s["current"] for s in after) and all(s["last_error"] for s in after)
-        with pytest.raises(StaleWeightsError):
-            greedy_tokens(rollout.generate)
-        greedy_tokens(lambda *a, **k: rollout.generate(*a, allow_stale=True, **k))  # the caller may decide
-
-        rollout.reset()
-        with trainer_pool(checkpoints["start"], "gloo_cpu", timeout_s=timeout_s) as trainer:
-            set_up(trainer, rollout)
-            train(trainer, steps=2)
-            sent, received = refit(trainer, rollout)
-            assert sent.ok and not isinstance(received, Exception), received
-        assert greedy_tokens(rollout.generate) == reference_tokens[1]
-        assert all(s["current"] and s["weight_version"] == before[0]["weight_version"] + 1 for s in rollout.status())
-    finally:
-        rollout.finalize()
-
-
-def test_a_discarded_refit_is_never_committed(
-    refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
-) -> None:
-    """What a coordinator does with a refit whose digests differ: ``discard()``. The loaded
-    weights are then never made current, by any later ``commit()``, until a refit loads again."""
-    rollout = VllmRollout(refitted_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET)
-    try:
-        with trainer_pool(checkpoints["start"], "gloo_cpu") as trainer:
-            set_up(trainer, rollout)
-            train(trainer)
-            (sent,), _ = in_parallel(
-                lambda: trainer.call([(0, "refit", {})], CALL_TIMEOUT_S), lambda: rollout.receive()
-            )
-            assert sent.ok, sent.describe()
-            version = rollout.weight_version
-            rollout.discard()
-            with pytest.raises(RefitFailedError) as caught:
-                rollout.commit()
-            assert len(caught.value.failures) == rollout.world_size
-            assert all(f.error_type == "LifecycleError" for f in caught.value.failures), caught.value
-            assert not rollout.is_current and rollout.weight_version == version
-            status = rollout.status()
-            assert not any(s["current"] for s in status) and all("rejected" in s["last_error"] for s in status)
-            with pytest.raises(StaleWeightsError):
-                greedy_tokens(rollout.generate)
-            sent, received = refit(trainer, rollout)  # the same W1 again, loaded and committed
-            assert sent.ok and not isinstance(received, Exception), received
-        assert greedy_tokens(rollout.generate) == reference_tokens[0]
-        assert rollout.is_current and rollout.weight_version == version + 1
-    finally:
-        rollout.finalize()
-
-
 BAD_WEIGHTS: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
     "unknown_name": (
         {"extra": [{"name": "model.layers.0.mlp.not_a_weight.weight", "shape": [4, 4]}]},
@@ -250,66 +99,231 @@ BAD_WEIGHTS: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
 }
 
 
-def test_a_bad_weight_is_a_clear_error_and_never_reported_current(
-    refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
-) -> None:
-    """Each kind of bad weight in turn, on one engine and from one trainer (its engine and the
-    rollout's reset after each failure): every rank names the weight with the expected error,
-    and the engine is marked not current and refuses to generate. Then one full refit of the
-    same weights recovers it."""
-    rollout = VllmRollout(refitted_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET, engine_kwargs={"timeout_s": 10.0})
-    try:
-        with trainer_pool(checkpoints["start"], "gloo_cpu", timeout_s=10.0) as trainer:
-            train(trainer)  # W1, sent with each fault and then whole
-            for kind, (fault, error, named) in BAD_WEIGHTS.items():
+class RefitsIntoVllm:
+    """The scenarios, for the engine of the subclass's tensor-parallel size (``TP``)."""
+
+    TP: int
+
+    @pytest.mark.parametrize("case", sorted(CASES))
+    def test_refits_through_the_coordinator_match_what_vllm_loads_from_disk(
+        self, case: str, refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
+    ) -> None:
+        """Two refits in a row on one engine (its weights change every time: each case starts
+        again from W1 over the last one's W2), driven by a RefitCoordinator that checks every
+        tensor's digest before it commits. With 1 MiB buckets layers span batches, so borrowed
+        batches hold weights vLLM keeps past the batch: the rank must have cloned them (without
+        that, tokens differ: tried)."""
+        backend, engine_kwargs = CASES[case]
+        borrowed = engine_kwargs.get("borrow_received_tensors", True)
+        rollout = VllmRollout(
+            refitted_llm, backend=backend, bucket_size_bytes=BUCKET, engine_kwargs=engine_kwargs, verify=True
+        )
+        with trainer_pool(checkpoints["start"], backend, **BACKENDS[backend]) as trainer:
+            pool = JoinedPool(trainer, VllmWorkerPool(rollout))
+            coordinator = RefitCoordinator(pool, num_policy=1, num_rollout=rollout.world_size, timeout_s=CALL_TIMEOUT_S)
+            coordinator.setup()
+            try:
+                for k in range(REFITS):
+                    train(trainer)
+                    report = coordinator.refit()
+                    assert report.policy[0]["digests"] == checkpoints["digests"][k], "the trainer did not replay W"
+                    assert greedy_tokens(rollout.generate) == reference_tokens[k], f"tokens differ after refit {k + 1}"
+                    assert all(s["current"] and s["weight_version"] == k + 1 for s in rollout.status())
+                    for rank_report in report.rollout:
+                        assert rank_report["tensors"] == len(checkpoints["digests"][k])
+                        stats = rank_report["stats"]
+                        if borrowed:  # every byte came in a bucket (the sender packed for a borrower)
+                            assert rank_report["pending_cloned_bytes"] > 0 and stats["direct_chunks"] == 0, rank_report
+                        else:
+                            assert rank_report["pending_cloned_bytes"] == 0, rank_report
+            finally:
+                coordinator.finalize()
+
+    def test_a_borrowed_weight_that_fills_its_bucket_exactly_is_kept_while_vllm_holds_it(
+        self, refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
+    ) -> None:
+        """Buckets the size of one gate_proj weight: it arrives alone, a borrowed view filling its
+        bucket exactly, and vLLM holds it until up_proj completes the fused gate_up_proj. The
+        rank must clone it before the next batch refills that bucket (a check by size missed
+        such a view: the refit succeeded and generated other tokens, tried)."""
+        gate_proj_bytes = TINY_QWEN2["intermediate_size"] * TINY_QWEN2["hidden_size"] * 2  # bf16
+        rollout = VllmRollout(refitted_llm, backend="gloo_cpu", bucket_size_bytes=gate_proj_bytes)
+        try:
+            with sized_trainer_pool(checkpoints["start"], "gloo_cpu", gate_proj_bytes, {}) as trainer:
                 set_up(trainer, rollout)
-                _, received = refit(trainer, rollout, **fault)
-                assert isinstance(received, RefitFailedError), (kind, received)
-                for failure in received.failures:
-                    assert failure.error_type == error.__name__, (kind, failure.describe())
-                    assert named in (failure.message or ""), (kind, failure.describe())
-                assert not any(s["current"] for s in rollout.status()), kind
-                with pytest.raises(StaleWeightsError):
-                    rollout.generate([{"prompt_token_ids": [1, 2]}])
-                (reset,) = trainer.call([(0, "reset", {})], CALL_TIMEOUT_S)
-                assert reset.ok, reset.describe()
-                rollout.reset()
-
-            set_up(trainer, rollout)
-            _, received = refit(trainer, rollout)
-            assert not isinstance(received, Exception), received
-        assert greedy_tokens(rollout.generate) == reference_tokens[0]
-    finally:
-        rollout.finalize()
-
-
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
-def test_a_sharded_refit_sends_each_rank_only_its_shards(
-    backend: str, tp: int, refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
-) -> None:
-    """One trainer feeding every tensor-parallel rank a stream of its own (topology fanout),
-    each rank's layout derived from its live model: two refits in a row generate what vLLM
-    generates from W_k on disk, and each rank receives its own parameters' bytes (its shards
-    and what it replicates), not the model's (at TP 1, the one rank keeps it all)."""
-    options = {**BACKENDS[backend], "shard_expert_weights": True, "topology": "fanout"}
-    rollout = VllmRollout(refitted_llm, backend=backend, bucket_size_bytes=BUCKET, engine_kwargs=options)
-    try:
-        layouts = None
-        with trainer_pool(checkpoints["start"], backend, **options) as trainer:
-            set_up(trainer, rollout)
-            for k in range(REFITS):
                 train(trainer)
                 sent, reports = refit(trainer, rollout)
                 assert sent.ok and not isinstance(reports, Exception), reports
-                assert greedy_tokens(rollout.generate) == reference_tokens[k], f"tokens differ after refit {k + 1}"
-                held = [s["parameter_bytes"] for s in rollout.status()]
-                received = [r["stats"]["payload_bytes"] for r in reports]
-                for rank, (got, own) in enumerate(zip(received, held)):
-                    assert abs(got - own) <= 0.01 * own, f"rank {rank} received {got} bytes, holds {own}"
-                layouts = received
-        model_bytes = sum(p.stat().st_size for p in checkpoints["weights"][0].glob("*.safetensors"))
-        assert layouts is not None
-        if tp == 2:
-            assert max(layouts) < 0.75 * model_bytes  # half of most weights, not all
-    finally:
-        rollout.finalize()
+            assert greedy_tokens(rollout.generate) == reference_tokens[0]
+            for report in reports:  # at least the gate_proj of each layer was held past its batch
+                assert report["pending_cloned_bytes"] >= TINY_QWEN2["num_hidden_layers"] * gate_proj_bytes, report
+        finally:
+            rollout.finalize()
+
+    def test_bad_method_arguments_are_refused_before_anything_changes(self, refitted_llm: Any) -> None:
+        """A weight version, refit index or ``allow_stale`` of the wrong kind is refused before
+        any rank or vLLM's prefix cache is touched (a string version was committed as given)."""
+        rollout = VllmRollout(refitted_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET)
+        try:
+            for bad in ("x", -1, 1.5, True):
+                with pytest.raises(InvalidArgumentError, match=f"weight_version must be an int >= 0, got {bad!r}"):
+                    rollout.commit(weight_version=bad)  # type: ignore[arg-type]  # the point
+            for bad in (-1, "0"):
+                with pytest.raises(InvalidArgumentError, match=f"refit_index must be an int >= 0, got {bad!r}"):
+                    rollout.refit(refit_index=bad)  # type: ignore[arg-type]  # the point
+            with pytest.raises(InvalidArgumentError, match="allow_stale must be True or False, got 'no'"):
+                rollout.generate([{"prompt_token_ids": [1, 2]}], allow_stale="no")  # type: ignore[arg-type]
+            assert rollout.is_current and rollout.weight_version == 0
+            assert all(s["current"] and s["weight_version"] == 0 for s in rollout.status())
+        finally:
+            rollout.finalize()
+
+    def test_a_trainer_killed_mid_refit_leaves_the_engine_not_current_until_the_next_refit(
+        self, refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
+    ) -> None:
+        timeout_s = 10.0
+        rollout = VllmRollout(
+            refitted_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET, engine_kwargs={"timeout_s": timeout_s}
+        )
+        try:
+            with trainer_pool(checkpoints["start"], "gloo_cpu", timeout_s=timeout_s) as trainer:
+                set_up(trainer, rollout)
+                train(trainer)
+                assert refit(trainer, rollout)[1] and greedy_tokens(rollout.generate) == reference_tokens[0]
+                before = rollout.status()
+                train(trainer)
+                started = time.monotonic()
+                sent, received = refit(trainer, rollout, die_after=10)
+                elapsed = time.monotonic() - started
+            assert not sent.ok and "SIGKILL" in (sent.message or "")
+            assert isinstance(received, RefitFailedError), received
+            assert len(received.failures) == rollout.world_size, "every vLLM rank must report its failure"
+            for failure in received.failures:
+                assert failure.error_type in {"PeerLostError", "TransferError", "TransferTimeoutError"}, (
+                    failure.describe()
+                )
+            assert elapsed < timeout_s + 15
+            after = rollout.status()
+            assert [s["weight_version"] for s in after] == [s["weight_version"] for s in before]
+            assert not any(s["current"] for s in after) and all(s["last_error"] for s in after)
+            with pytest.raises(StaleWeightsError):
+                greedy_tokens(rollout.generate)
+            greedy_tokens(lambda *a, **k: rollout.generate(*a, allow_stale=True, **k))  # the caller may decide
+
+            rollout.reset()
+            with trainer_pool(checkpoints["start"], "gloo_cpu", timeout_s=timeout_s) as trainer:
+                set_up(trainer, rollout)
+                train(trainer, steps=2)
+                sent, received = refit(trainer, rollout)
+                assert sent.ok and not isinstance(received, Exception), received
+            assert greedy_tokens(rollout.generate) == reference_tokens[1]
+            assert all(
+                s["current"] and s["weight_version"] == before[0]["weight_version"] + 1 for s in rollout.status()
+            )
+        finally:
+            rollout.finalize()
+
+    def test_a_discarded_refit_is_never_committed(
+        self, refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
+    ) -> None:
+        """What a coordinator does with a refit whose digests differ: ``discard()``. The loaded
+        weights are then never made current, by any later ``commit()``, until a refit loads again."""
+        rollout = VllmRollout(refitted_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET)
+        try:
+            with trainer_pool(checkpoints["start"], "gloo_cpu") as trainer:
+                set_up(trainer, rollout)
+                train(trainer)
+                (sent,), _ = in_parallel(
+                    lambda: trainer.call([(0, "refit", {})], CALL_TIMEOUT_S), lambda: rollout.receive()
+                )
+                assert sent.ok, sent.describe()
+                version = rollout.weight_version
+                rollout.discard()
+                with pytest.raises(RefitFailedError) as caught:
+                    rollout.commit()
+                assert len(caught.value.failures) == rollout.world_size
+                assert all(f.error_type == "LifecycleError" for f in caught.value.failures), caught.value
+                assert not rollout.is_current and rollout.weight_version == version
+                status = rollout.status()
+                assert not any(s["current"] for s in status) and all("rejected" in s["last_error"] for s in status)
+                with pytest.raises(StaleWeightsError):
+                    greedy_tokens(rollout.generate)
+                sent, received = refit(trainer, rollout)  # the same W1 again, loaded and committed
+                assert sent.ok and not isinstance(received, Exception), received
+            assert greedy_tokens(rollout.generate) == reference_tokens[0]
+            assert rollout.is_current and rollout.weight_version == version + 1
+        finally:
+            rollout.finalize()
+
+    def test_a_bad_weight_is_a_clear_error_and_never_reported_current(
+        self, refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
+    ) -> None:
+        """Each kind of bad weight in turn, on one engine and from one trainer (its engine and the
+        rollout's reset after each failure): every rank names the weight with the expected error,
+        and the engine is marked not current and refuses to generate. Then one full refit of the
+        same weights recovers it."""
+        rollout = VllmRollout(
+            refitted_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET, engine_kwargs={"timeout_s": 10.0}
+        )
+        try:
+            with trainer_pool(checkpoints["start"], "gloo_cpu", timeout_s=10.0) as trainer:
+                train(trainer)  # W1, sent with each fault and then whole
+                for kind, (fault, error, named) in BAD_WEIGHTS.items():
+                    set_up(trainer, rollout)
+                    _, received = refit(trainer, rollout, **fault)
+                    assert isinstance(received, RefitFailedError), (kind, received)
+                    for failure in received.failures:
+                        assert failure.error_type == error.__name__, (kind, failure.describe())
+                        assert named in (failure.message or ""), (kind, failure.describe())
+                    assert not any(s["current"] for s in rollout.status()), kind
+                    with pytest.raises(StaleWeightsError):
+                        rollout.generate([{"prompt_token_ids": [1, 2]}])
+                    (reset,) = trainer.call([(0, "reset", {})], CALL_TIMEOUT_S)
+                    assert reset.ok, reset.describe()
+                    rollout.reset()
+
+                set_up(trainer, rollout)
+                _, received = refit(trainer, rollout)
+                assert not isinstance(received, Exception), received
+            assert greedy_tokens(rollout.generate) == reference_tokens[0]
+        finally:
+            rollout.finalize()
+
+    @pytest.mark.parametrize("backend", sorted(BACKENDS))
+    def test_a_sharded_refit_sends_each_rank_only_its_shards(
+        self, backend: str, tp: int, refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
+    ) -> None:
+        """One trainer feeding every tensor-parallel rank a stream of its own (topology fanout),
+        each rank's layout derived from its live model: two refits in a row generate what vLLM
+        generates from W_k on disk, and each rank receives its own parameters' bytes (its shards
+        and what it replicates), not the model's (at TP 1, the one rank keeps it all)."""
+        options = {**BACKENDS[backend], "shard_expert_weights": True, "topology": "fanout"}
+        rollout = VllmRollout(refitted_llm, backend=backend, bucket_size_bytes=BUCKET, engine_kwargs=options)
+        try:
+            layouts = None
+            with trainer_pool(checkpoints["start"], backend, **options) as trainer:
+                set_up(trainer, rollout)
+                for k in range(REFITS):
+                    train(trainer)
+                    sent, reports = refit(trainer, rollout)
+                    assert sent.ok and not isinstance(reports, Exception), reports
+                    assert greedy_tokens(rollout.generate) == reference_tokens[k], f"tokens differ after refit {k + 1}"
+                    held = [s["parameter_bytes"] for s in rollout.status()]
+                    received = [r["stats"]["payload_bytes"] for r in reports]
+                    for rank, (got, own) in enumerate(zip(received, held)):
+                        assert abs(got - own) <= 0.01 * own, f"rank {rank} received {got} bytes, holds {own}"
+                    layouts = received
+            model_bytes = sum(p.stat().st_size for p in checkpoints["weights"][0].glob("*.safetensors"))
+            assert layouts is not None
+            if tp == 2:
+                assert max(layouts) < 0.75 * model_bytes  # half of most weights, not all
+        finally:
+            rollout.finalize()
+
+
+class TestTensorParallel1(RefitsIntoVllm):
+    TP = 1
+
+
+class TestTensorParallel2(RefitsIntoVllm):
+    TP = 2
