@@ -1,7 +1,9 @@
 """``LocalProcessPool``: worker services in local subprocesses, called in parallel with deadlines.
 
-Each worker is a fresh Python process (``python -m ckpt_core.orchestration.worker_main``) talking
-JSON lines over two pipes. Calls to several workers run concurrently (a refit needs senders
+Each worker is a Python process running ``python -m ckpt_core.orchestration.worker_main``, talking
+JSON lines over two pipes: forked from a zygote that imported torch once
+(``start_method="forkserver"``, the default on Linux; see :mod:`~ckpt_core.orchestration.zygote`),
+or a fresh interpreter (``"spawn"``). Calls to several workers run concurrently (a refit needs senders
 and receivers at once); every call has a deadline, and a worker that dies is reported with
 its exit status instead of being waited for.
 
@@ -13,6 +15,7 @@ a copy split over busy cores runs slower than on one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import signal
@@ -22,23 +25,37 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ckpt_core.errors import InvalidArgumentError
+from ckpt_core.orchestration import zygote
 from ckpt_core.orchestration.coordinator import CallResult
 from ckpt_core.orchestration.protocol import MAX_LINE_BYTES, decode, encode
 
+START_METHODS = ("forkserver", "spawn")
+
 
 class _Worker:
-    def __init__(self, label: str, env: dict[str, str] | None) -> None:
+    def __init__(self, label: str, env: dict[str, str], start_method: str, start_timeout_s: float) -> None:
         self.label = label
         to_child_r, self._to_child = os.pipe()
         self._from_child, from_child_w = os.pipe()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "ckpt_core.orchestration.worker_main", str(to_child_r), str(from_child_w)],
-            pass_fds=(to_child_r, from_child_w),
-            env=env,
-            stdin=subprocess.DEVNULL,
-        )
-        os.close(to_child_r)
-        os.close(from_child_w)
+        try:
+            self.process: subprocess.Popen[bytes] | zygote.ZygoteProcess
+            if start_method == "forkserver":
+                self.process = zygote.fork_worker(env, to_child_r, from_child_w, start_timeout_s)
+            else:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", "ckpt_core.orchestration.worker_main", str(to_child_r), str(from_child_w)],
+                    pass_fds=(to_child_r, from_child_w),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                )
+        except BaseException:
+            os.close(self._to_child)
+            os.close(self._from_child)
+            raise
+        finally:
+            os.close(to_child_r)
+            os.close(from_child_w)
         self._buffer = b""
 
     @property
@@ -66,6 +83,8 @@ class _Worker:
             code = self.process.wait(timeout=5)
         except subprocess.TimeoutExpired:
             return "stopped answering"
+        except ChildProcessError as exc:
+            return f"ended ({exc})"
         if code < 0:
             return f"was killed by signal {signal.Signals(-code).name}"
         return f"exited with status {code}"
@@ -83,7 +102,10 @@ class _Worker:
             self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            self.process.wait()
+            with contextlib.suppress(ChildProcessError):
+                self.process.wait()
+        except ChildProcessError:
+            pass  # ended, its exit code lost with its zygote: nothing left to reap
         os.close(self._from_child)
 
 
@@ -91,7 +113,10 @@ class LocalProcessPool:
     """Runs one service object per local process; ``call`` reaches several of them at once.
 
     ``services[i]`` is ``{"service": "module:Class", **constructor kwargs}``; ``labels[i]``
-    names worker ``i`` in errors (for example ``"rollout rank 1"``).
+    names worker ``i`` in errors (for example ``"rollout rank 1"``). ``env`` is the workers'
+    environment (default: ours). ``start_method`` is ``"forkserver"`` (forked from a zygote
+    that imported torch: milliseconds per worker instead of seconds; the default where
+    :func:`~ckpt_core.orchestration.zygote.available`) or ``"spawn"`` (a fresh interpreter).
     """
 
     def __init__(
@@ -101,11 +126,19 @@ class LocalProcessPool:
         labels: Sequence[str] | None = None,
         start_timeout_s: float = 120.0,
         env: dict[str, str] | None = None,
+        start_method: str | None = None,
     ) -> None:
+        start_method = start_method or ("forkserver" if zygote.available() else "spawn")
+        if start_method not in START_METHODS or (start_method == "forkserver" and not zygote.available()):
+            raise InvalidArgumentError(
+                f"start_method must be one of {START_METHODS} ('forkserver' on Linux only), got {start_method!r}"
+            )
         labels = list(labels) if labels is not None else [f"worker {i}" for i in range(len(services))]
         env = _with_thread_share(env, len(labels))
-        self._workers = [_Worker(label, env) for label in labels]
+        self._workers: list[_Worker] = []
         try:
+            for label in labels:
+                self._workers.append(_Worker(label, env, start_method, start_timeout_s))
             results = self.call([(i, "__init__", dict(spec)) for i, spec in enumerate(services)], start_timeout_s)
             failed = [r for r in results if not r.ok]
             if failed:
