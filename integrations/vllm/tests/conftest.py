@@ -180,3 +180,11 @@ def refitted_llm(engine_and_references: tuple[Any, list[Any]]) -> Any:
 @pytest.fixture(scope="class")
 def reference_tokens(engine_and_references: tuple[Any, list[list[list[int]]]]) -> list[list[list[int]]]:
     return engine_and_references[1]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """vLLM's tests first: their engines take minutes to start and use, and started first
+    (``--dist loadscope`` hands out scopes in this order) they run beside the short tests
+    instead of trailing them on one worker."""
+    here = str(HERE)
+    items.sort(key=lambda item: not str(item.path).startswith(here))
