@@ -21,9 +21,9 @@ $(STAMP): requirements-dev.txt pyproject.toml plugins/*/pyproject.toml integrati
 ## The whole test suite (what CI runs), with its 25 slowest steps listed. GPU tests skip
 ## without CUDA. Test modules run side by side in TEST_WORKERS processes (pytest-xdist; a
 ## module's tests stay in one process, sharing its fixtures), then the tests marked `alone`
-## (latency bounds, which need the machine to themselves) run by themselves. Three workers on
-## two cores: the tests wait on deadlines and peers often enough to leave a core idle with two.
-TEST_WORKERS ?= 3
+## (latency bounds, which need the machine to themselves) run by themselves. A third worker
+## measured no faster on 2 cores (pytest 730 s against 728 s) and slowed the Ray tests.
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope -m "not alone" --durations=25
 	$(BIN)/python -m pytest -m alone --durations=5

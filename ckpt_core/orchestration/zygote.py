@@ -31,6 +31,7 @@ closes.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import selectors
@@ -117,6 +118,7 @@ class Zygote:
         self._socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._lock = threading.Lock()
         self._start_timeout_s = start_timeout_s
+        self._broken = False  # a request went unanswered: a late answer would answer the next
         with theirs:
             self.process = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), str(theirs.fileno())],
@@ -126,7 +128,7 @@ class Zygote:
             )
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        return not self._broken and self.process.poll() is None
 
     def fork(self, requests_fd: int, replies_fd: int, cwd: str, env: Mapping[str, str]) -> ZygoteProcess:
         """A worker reading ``requests_fd`` and writing ``replies_fd`` (the caller closes its
@@ -140,11 +142,13 @@ class Zygote:
                 socket.send_fds(self._socket, [request], [requests_fd, replies_fd, status_w, 1, 2])
                 reply = self._socket.recv(_PID.size)
         except (OSError, ValueError) as exc:
+            self._broken = True
             os.close(status_r)
             raise RuntimeError(f"the worker zygote (pid {self.process.pid}) did not start a worker: {exc}") from exc
         finally:
             os.close(status_w)
         if len(reply) != _PID.size:
+            self._broken = True
             os.close(status_r)
             raise RuntimeError(f"the worker zygote (pid {self.process.pid}) ended: {self.process.poll()}")
         return ZygoteProcess(_PID.unpack(reply)[0], status_r)
@@ -175,6 +179,8 @@ def fork_worker(env: Mapping[str, str], requests_fd: int, replies_fd: int, start
             _owner_pid = os.getpid()
         zygote = _zygotes.get(key)
         if zygote is None or not zygote.alive():
+            if zygote is not None:
+                zygote.close()
             zygote = _zygotes[key] = Zygote(env, start_timeout_s)
     return zygote.fork(requests_fd, replies_fd, os.getcwd(), env)
 
@@ -200,7 +206,8 @@ def _serve(control: socket.socket) -> None:
                     selector.unregister(key.fd)
                     os.close(key.fd)
                     _, status = os.waitpid(pid, 0)
-                    os.write(status_fd, str(os.waitstatus_to_exitcode(status)).encode())
+                    with contextlib.suppress(OSError):  # an owner that stopped listening
+                        os.write(status_fd, str(os.waitstatus_to_exitcode(status)).encode())
                     os.close(status_fd)
                     continue
                 try:
