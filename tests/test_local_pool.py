@@ -99,3 +99,40 @@ def test_exit_codes_and_signals_are_reported_at_once_while_a_sibling_runs_on(imp
 def test_an_unknown_start_method_is_refused() -> None:
     with pytest.raises(InvalidArgumentError, match=r"start_method must be one of .*got 'fork'"):
         LocalProcessPool([PROBE], start_method="fork")
+
+
+@pytest.mark.skipif(not zygote.available(), reason="needs Linux")
+def test_preloaded_modules_are_imported_before_each_worker_starts(import_root: Path) -> None:
+    """A pool's ``preload`` gets a zygote of its own: a pool without it sees none of it."""
+    env = env_with_path(import_root)
+    modules = ["xml.dom.minidom", "tests.helpers.headers"]
+    with LocalProcessPool([PROBE] * 2, env=env, preload=modules) as pool:
+        for index in range(2):
+            (result,) = pool.call([(index, "imported", {"modules": modules})], 60)
+            assert result.ok and result.value == modules, result.describe()
+    with LocalProcessPool([PROBE], env=env) as pool:
+        (result,) = pool.call([(0, "imported", {"modules": modules})], 60)
+        assert result.ok and result.value == [], result.describe()
+
+
+@pytest.mark.skipif(not zygote.available(), reason="needs Linux")
+@pytest.mark.parametrize(
+    ("module", "why"),
+    [
+        ("tests.helpers.starts_a_thread", "started threads (started-at-import); preload less"),
+        ("tests.helpers.not_a_module", "No module named 'tests.helpers.not_a_module'"),
+    ],
+)
+def test_a_preload_that_starts_a_thread_or_fails_to_import_is_a_clear_error(
+    module: str, why: str, import_root: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A thread started at import would be missing from every fork, its locks held forever."""
+    with pytest.raises(RuntimeError, match=rf"zygote \(pid \d+, preloading {module} \(its error is above\)\)"):
+        LocalProcessPool([PROBE], env=env_with_path(import_root), preload=[module], start_timeout_s=60)
+    assert why in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("bad", ["transformers", ["not a module"], [""], [3]])
+def test_a_preload_that_is_not_a_list_of_module_names_is_refused(bad: Any) -> None:
+    with pytest.raises(InvalidArgumentError, match="preload must be a list of module names"):
+        LocalProcessPool([PROBE], preload=bad)

@@ -34,14 +34,16 @@ START_METHODS = ("forkserver", "spawn")
 
 
 class _Worker:
-    def __init__(self, label: str, env: dict[str, str], start_method: str, start_timeout_s: float) -> None:
+    def __init__(
+        self, label: str, env: dict[str, str], start_method: str, start_timeout_s: float, preload: tuple[str, ...]
+    ) -> None:
         self.label = label
         to_child_r, self._to_child = os.pipe()
         self._from_child, from_child_w = os.pipe()
         try:
             self.process: subprocess.Popen[bytes] | zygote.ZygoteProcess
             if start_method == "forkserver":
-                self.process = zygote.fork_worker(env, to_child_r, from_child_w, start_timeout_s)
+                self.process = zygote.fork_worker(env, to_child_r, from_child_w, start_timeout_s, preload)
             else:
                 self.process = subprocess.Popen(
                     [sys.executable, "-m", "ckpt_core.orchestration.worker_main", str(to_child_r), str(from_child_w)],
@@ -117,6 +119,10 @@ class LocalProcessPool:
     environment (default: ours). ``start_method`` is ``"forkserver"`` (forked from a zygote
     that imported torch: milliseconds per worker instead of seconds; the default where
     :func:`~ckpt_core.orchestration.zygote.available`) or ``"spawn"`` (a fresh interpreter).
+    ``preload`` names modules the zygote imports once for every worker of the pool, beside
+    torch (for example ``"transformers"``): only libraries, since a worker then runs the
+    zygote's copy, and only ones that start no thread at import (the zygote refuses those).
+    ``"spawn"`` workers import what they need themselves, so there it changes nothing.
     """
 
     def __init__(
@@ -127,18 +133,25 @@ class LocalProcessPool:
         start_timeout_s: float = 120.0,
         env: dict[str, str] | None = None,
         start_method: str | None = None,
+        preload: Sequence[str] = (),
     ) -> None:
         start_method = start_method or ("forkserver" if zygote.available() else "spawn")
         if start_method not in START_METHODS or (start_method == "forkserver" and not zygote.available()):
             raise InvalidArgumentError(
                 f"start_method must be one of {START_METHODS} ('forkserver' on Linux only), got {start_method!r}"
             )
+        if isinstance(preload, str) or not all(
+            isinstance(name, str) and all(part.isidentifier() for part in name.split(".")) for name in preload
+        ):
+            raise InvalidArgumentError(
+                f"preload must be a list of module names such as 'transformers', got {preload!r}"
+            )
         labels = list(labels) if labels is not None else [f"worker {i}" for i in range(len(services))]
         env = _with_thread_share(env, len(labels))
         self._workers: list[_Worker] = []
         try:
             for label in labels:
-                self._workers.append(_Worker(label, env, start_method, start_timeout_s))
+                self._workers.append(_Worker(label, env, start_method, start_timeout_s, tuple(preload)))
             results = self.call([(i, "__init__", dict(spec)) for i, spec in enumerate(services)], start_timeout_s)
             failed = [r for r in results if not r.ok]
             if failed:

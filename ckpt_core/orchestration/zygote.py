@@ -11,7 +11,10 @@ otherwise the process ``python -m`` would have made:
   (:func:`zygote_key`). One zygote runs per distinct set of those; ``OMP_NUM_THREADS`` is the
   exception, applied by the worker itself with ``torch.set_num_threads``.
 - The worker's ``os.environ`` is exactly the environment it was given.
-- The zygote imports nothing of ckpt_core or of any service. The worker runs
+- The zygote imports torch and nothing of ckpt_core or of any service, unless its owner named
+  modules to *preload* (``LocalProcessPool(preload=...)``, one zygote per distinct list):
+  libraries every worker of that pool imports, such as ``transformers`` (~4 s each). A
+  preloaded module that starts a thread ends the zygote with an error. The worker runs
   ``ckpt_core.orchestration.worker_main`` as ``python -m`` does (``runpy``), from its own
   ``sys.path``: its working directory first, then ``PYTHONPATH``. So a tree put first on
   ``PYTHONPATH`` (``benchmarks.against``) is the one the worker runs.
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import json
 import os
 import selectors
@@ -112,16 +116,18 @@ class ZygoteProcess:
 
 
 class Zygote:
-    """One zygote process, started with ``env``; :meth:`fork` starts a worker from it."""
+    """One zygote process, started with ``env``, that imported torch and ``preload``;
+    :meth:`fork` starts a worker from it."""
 
-    def __init__(self, env: Mapping[str, str], start_timeout_s: float) -> None:
+    def __init__(self, env: Mapping[str, str], start_timeout_s: float, preload: tuple[str, ...] = ()) -> None:
         self._socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._lock = threading.Lock()
         self._start_timeout_s = start_timeout_s
         self._broken = False  # a request went unanswered: a late answer would answer the next
+        self._preload = preload
         with theirs:
             self.process = subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), str(theirs.fileno())],
+                [sys.executable, os.path.abspath(__file__), str(theirs.fileno()), *preload],
                 pass_fds=(theirs.fileno(),),
                 env=dict(env),
                 stdin=subprocess.DEVNULL,
@@ -144,14 +150,18 @@ class Zygote:
         except (OSError, ValueError) as exc:
             self._broken = True
             os.close(status_r)
-            raise RuntimeError(f"the worker zygote (pid {self.process.pid}) did not start a worker: {exc}") from exc
+            raise RuntimeError(f"{self._name()} did not start a worker: {exc}") from exc
         finally:
             os.close(status_w)
         if len(reply) != _PID.size:
             self._broken = True
             os.close(status_r)
-            raise RuntimeError(f"the worker zygote (pid {self.process.pid}) ended: {self.process.poll()}")
+            raise RuntimeError(f"{self._name()} ended with status {self.process.poll()}")
         return ZygoteProcess(_PID.unpack(reply)[0], status_r)
+
+    def _name(self) -> str:
+        preloading = f", preloading {', '.join(self._preload)} (its error is above)" if self._preload else ""
+        return f"the worker zygote (pid {self.process.pid}{preloading})"
 
     def close(self) -> None:
         """End the zygote (its workers run on); reap it."""
@@ -163,16 +173,19 @@ class Zygote:
             self.process.wait()
 
 
-_zygotes: dict[tuple[tuple[str, str], ...], Zygote] = {}
+_zygotes: dict[tuple[tuple[tuple[str, str], ...], tuple[str, ...]], Zygote] = {}
 _zygotes_lock = threading.Lock()
 _owner_pid = os.getpid()
 
 
-def fork_worker(env: Mapping[str, str], requests_fd: int, replies_fd: int, start_timeout_s: float) -> ZygoteProcess:
+def fork_worker(
+    env: Mapping[str, str], requests_fd: int, replies_fd: int, start_timeout_s: float, preload: tuple[str, ...] = ()
+) -> ZygoteProcess:
     """Start a worker of ``python -m ckpt_core.orchestration.worker_main`` with ``env``, forked
-    from this process's zygote for ``env`` (started on first use, again if it ended)."""
+    from this process's zygote for ``env`` and ``preload`` (started on first use, again if it
+    ended)."""
     global _owner_pid
-    key = zygote_key(env)
+    key = (zygote_key(env), preload)
     with _zygotes_lock:
         if os.getpid() != _owner_pid:  # a forked owner: the parent's zygotes are not ours to use
             _zygotes.clear()
@@ -181,7 +194,7 @@ def fork_worker(env: Mapping[str, str], requests_fd: int, replies_fd: int, start
         if zygote is None or not zygote.alive():
             if zygote is not None:
                 zygote.close()
-            zygote = _zygotes[key] = Zygote(env, start_timeout_s)
+            zygote = _zygotes[key] = Zygote(env, start_timeout_s, preload)
     return zygote.fork(requests_fd, replies_fd, os.getcwd(), env)
 
 
@@ -272,9 +285,14 @@ def _become_worker(request: dict[str, Any], requests_fd: int, replies_fd: int, s
         os._exit(code)
 
 
-def _main(control_fd: int) -> None:
+def _main(control_fd: int, preload: list[str]) -> None:
     import torch  # noqa: F401 - the import every worker would otherwise pay for
 
+    for name in preload:
+        importlib.import_module(name)
+    if threading.active_count() > 1:  # a fork copies only this thread: the others' locks stay held
+        names = ", ".join(t.name for t in threading.enumerate() if t is not threading.current_thread())
+        sys.exit(f"ckpt-core worker zygote: preloading {', '.join(preload)} started threads ({names}); preload less")
     _serve(socket.socket(fileno=control_fd))
 
 
@@ -282,4 +300,4 @@ if __name__ == "__main__":
     # Run as a file, Python put this file's folder first on sys.path: ``python -m`` puts the
     # working directory there, and so does each worker.
     sys.path[0] = os.getcwd()
-    _main(int(sys.argv[1]))
+    _main(int(sys.argv[1]), sys.argv[2:])

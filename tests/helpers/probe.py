@@ -29,6 +29,10 @@ class Probe:
             "env_size": len(os.environ),
         }
 
+    def imported(self, modules: list[str]) -> list[str]:
+        """Which of ``modules`` this process had imported before it was asked."""
+        return [name for name in modules if name in sys.modules]
+
     def exit(self, code: int) -> None:
         """End the process now, with ``code``."""
         sys.stdout.flush()

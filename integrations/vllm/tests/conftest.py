@@ -42,6 +42,9 @@ from ckpt_core.orchestration.local import LocalProcessPool  # noqa: E402
 PROMPTS = [[(7 * i + j) % 500 + 1 for j in range(70)] for i in range(3)]
 REFITS = 2
 BLOCK_SIZE = 32  # the CPU attention backend takes multiples of 32
+# What each trainer process imports first (~4 s of transformers and torch's compiler stack):
+# imported once, in the zygote its trainers fork from.
+QWEN2_MODULE = "transformers.models.qwen2.modeling_qwen2"
 
 
 def engine_args(model: str | Path, tp: int) -> dict[str, Any]:
@@ -107,7 +110,7 @@ def sized_trainer_pool(
         "bucket_size": bucket_size,
         "engine_kwargs": engine_kwargs,
     }
-    return LocalProcessPool([spec], labels=["trainer"], env=env)
+    return LocalProcessPool([spec], labels=["trainer"], env=env, preload=[QWEN2_MODULE])
 
 
 @pytest.fixture(scope="session", autouse=True)

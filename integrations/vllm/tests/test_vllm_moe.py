@@ -61,7 +61,9 @@ def trainer(start: Path, weights: str = "moe_weights:perturbed", version: int = 
         "weights_params": {"model": str(start), "version": version},
     }
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    return LocalProcessPool([spec], labels=["trainer"], env=env)
+    return LocalProcessPool(
+        [spec], labels=["trainer"], env=env, preload=["transformers.models.qwen2_moe.modeling_qwen2_moe"]
+    )
 
 
 def reloaded_tokens(llm: Any, path: Path) -> list[list[int]]:
