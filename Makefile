@@ -23,9 +23,12 @@ $(STAMP): requirements-dev.txt pyproject.toml plugins/*/pyproject.toml integrati
 ## module's tests stay in one process, sharing its fixtures), then the tests marked `alone`
 ## (latency bounds, which need the machine to themselves) run by themselves. A third worker
 ## measured no faster on 2 cores (pytest 730 s against 728 s) and slowed the Ray tests.
+## Scopes go out in collection order (--no-loadscope-reorder; xdist's default sends the
+## scopes with most tests first), which puts vLLM's minutes-long ones first: see
+## integrations/vllm/tests/conftest.py. Left last, they ran alone for two minutes.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope -m "not alone" --durations=25
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "not alone" --durations=25
 	$(BIN)/python -m pytest -m alone --durations=5
 
 ## Lint and format check (ruff, configured in pyproject.toml; CI runs it after the tests).
