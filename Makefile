@@ -21,7 +21,8 @@ lock:
 ## without CUDA. Test modules run side by side in TEST_WORKERS processes (pytest-xdist; a
 ## module's tests stay in one process, sharing its fixtures), then the tests marked `alone`
 ## (latency bounds, which need the machine to themselves) run by themselves. A third worker
-## measured no faster on 2 cores (pytest 730 s against 728 s) and slowed the Ray tests.
+## gained within the machine's noise on 2 cores (pytest 560 s against 587 s) for a third vLLM
+## engine running at once.
 ## Scopes go out in collection order (--no-loadscope-reorder; xdist's default sends the
 ## scopes with most tests first), which puts vLLM's minutes-long ones first: see
 ## integrations/vllm/tests/conftest.py. Left last, they ran alone for two minutes.
