@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
     from vllm import LLM
 
-    from ckpt_vllm import WORKER_EXTENSION, VllmRollout
+    from ckpt_vllm import VLLM_ENGINE_ARGS, VllmRollout
 
     workdir = tempfile.mkdtemp(prefix="vllm_rl_loop_")
     start = os.path.join(workdir, "start")
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     transformers.Qwen2ForCausalLM(config).bfloat16().save_pretrained(start)
 
     engine_kwargs = {"device": "cpu"} if args.backend == "cuda_ipc" else {}
-    llm = LLM(**engine_args(start, args.tp), worker_extension_cls=WORKER_EXTENSION)
+    llm = LLM(**engine_args(start, args.tp), **VLLM_ENGINE_ARGS)
     rollout = VllmRollout(llm, backend=args.backend, bucket_size_bytes=1 << 20, engine_kwargs=engine_kwargs)
 
     context = multiprocessing.get_context("spawn")

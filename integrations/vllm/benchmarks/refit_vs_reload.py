@@ -154,7 +154,7 @@ def _run_in(
 ) -> dict[str, Any]:
     from vllm import LLM
 
-    from ckpt_vllm import WORKER_EXTENSION
+    from ckpt_vllm import VLLM_ENGINE_ARGS
 
     names = make_model(workdir / "start", layers)
     versions = len(backends) * (memory_refits + reps)
@@ -167,7 +167,7 @@ def _run_in(
         max_model_len=128,
         dtype="bfloat16",
         seed=0,
-        worker_extension_cls=WORKER_EXTENSION,
+        **VLLM_ENGINE_ARGS,
     )
     results: dict[str, Any] = {
         "model_bytes": sum(sizes),

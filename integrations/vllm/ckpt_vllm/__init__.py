@@ -1,7 +1,10 @@
 """ckpt-vllm: refit a running vLLM engine through any installed ckpt-core backend.
 
-Build the engine with ``LLM(..., worker_extension_cls=ckpt_vllm.WORKER_EXTENSION)``, then drive
-refits with :class:`ckpt_vllm.VllmRollout` (or hand :class:`ckpt_vllm.VllmWorkerPool` to a
+vLLM selects it by name: ``vllm serve --weight-transfer-config '{"backend": "ckpt"}'`` (or
+``LLM(weight_transfer_config={"backend": "ckpt"})``), and a trainer refits it through vLLM's own
+client with :class:`ckpt_vllm.trainer.CkptTrainerInitInfo`. A driver holding the ``LLM`` builds
+it with ``LLM(..., **ckpt_vllm.VLLM_ENGINE_ARGS)`` and drives refits with
+:class:`ckpt_vllm.VllmRollout` (or hands :class:`ckpt_vllm.VllmWorkerPool` to a
 ``RefitCoordinator``). Importing this package does not import vLLM.
 """
 
@@ -9,9 +12,10 @@ from __future__ import annotations
 
 from ckpt_vllm.errors import IncompleteRefitError, RolloutLoadError, StaleWeightsError
 from ckpt_vllm.pool import VllmWorkerPool
-from ckpt_vllm.rollout import WORKER_EXTENSION, VllmRollout
+from ckpt_vllm.rollout import VLLM_ENGINE_ARGS, WORKER_EXTENSION, VllmRollout
 
 __all__ = [
+    "VLLM_ENGINE_ARGS",
     "WORKER_EXTENSION",
     "IncompleteRefitError",
     "RolloutLoadError",

@@ -18,3 +18,9 @@ class IncompleteRefitError(CheckpointEngineError, ValueError):
 class StaleWeightsError(LifecycleError):
     """Generation was asked of an engine whose weights are not the last committed version (a
     refit failed, or one is in progress). Refit again, or pass ``allow_stale=True``."""
+
+
+class WorkersFailedError(CheckpointEngineError, RuntimeError):
+    """A weight-transfer call failed on some of a vLLM engine's workers; the message names each
+    one and its error (each worker's ``ckpt_engine_status`` has it too). Raised by the engine's
+    last worker only, for all of them (see :func:`ckpt_vllm.transfer.settle`)."""

@@ -29,15 +29,16 @@ logger = logging.getLogger(__name__)
 
 class _TrackedWeights:
     """Iterates ``weights`` once, remembering the last name handed to vLLM and whether an
-    exception came from the source (the transport) rather than from vLLM's loaders."""
+    exception came from the source (the transport) rather than from vLLM's loaders. ``seen``
+    (shared by every load of one update) refuses a name that arrives twice."""
 
-    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]], seen: set[str]) -> None:
         self._weights = weights
         self.last: tuple[str, torch.Tensor] | None = None
         self.count = 0
         self.nbytes = 0
         self.source_failed = False
-        self._seen: set[str] = set()
+        self._seen = seen
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         source = iter(self._weights)
@@ -65,54 +66,119 @@ class _TrackedWeights:
         return f"at weight {name!r} (shape {list(tensor.shape)}, {dtype})"
 
 
-def load_streamed_weights(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
-    """Load ``weights`` into ``worker``'s model as they arrive; returns (tensors, bytes) loaded.
+class LayerwiseLoad:
+    """One weight update of a live vLLM model: :meth:`start`, then :meth:`load` once or more
+    (each a stream of weights, loaded as they arrive), then :meth:`finish`.
 
-    ``worker`` is a vLLM worker (it has ``model_runner`` and ``vllm_config``). Errors raised by
-    ``weights`` itself (a transport's ``TransferError``...) propagate unchanged; a weight vLLM
-    refuses raises :class:`RolloutLoadError` naming it; a refit that leaves any parameter of the
-    model without a weight raises :class:`IncompleteRefitError`. After any error the model's
-    layerwise state is finalized (the next refit starts clean), but its weights are not a
-    model: a mix of two versions, and in modules vLLM had begun to rebuild, possibly memory
-    nothing was written to. The caller must treat the engine as not current until a refit
-    succeeds.
+    ``model`` and ``vllm_config`` are the worker's (``model_runner.get_model()`` and its
+    ``vllm_config``). Errors raised by a stream itself (a transport's ``TransferError``...)
+    propagate unchanged; a weight vLLM refuses raises :class:`RolloutLoadError` naming it; an
+    update that leaves any parameter of the model without a weight raises
+    :class:`IncompleteRefitError` at :meth:`finish`. After any error the model's layerwise
+    state is closed (the next update starts clean), but its weights are not a model: a mix of
+    two versions, and in modules vLLM had begun to rebuild, possibly memory nothing was written
+    to. The caller must treat the engine as not current until an update succeeds.
     """
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-    model = worker.model_runner.get_model()
-    expected = {name for name, _ in model.named_parameters()}
-    tracked = _TrackedWeights(weights)
-    with set_current_vllm_config(worker.vllm_config):
-        initialize_layerwise_reload(model)
-        try:
-            loaded = model.load_weights(tracked)
-            partial = _partly_loaded_modules(model)
-            if partial:
-                shown = "; ".join(partial[:6]) + (f"; and {len(partial) - 6} more" if len(partial) > 6 else "")
-                raise IncompleteRefitError(
-                    f"the refit brought {tracked.count} weights but left {len(partial)} module(s) partly loaded "
-                    f"(a part of a fused weight such as q/k/v or gate/up is missing): {shown}"
-                )
-        except BaseException as exc:
-            cleanup = _finalize_after_failure(model, worker.vllm_config.model_config)
-            if cleanup:
-                logger.error("%s", cleanup)
-            if tracked.source_failed or isinstance(exc, (RolloutLoadError, IncompleteRefitError, KeyboardInterrupt)):
-                raise
-            raise RolloutLoadError(
-                f"vLLM could not load the refit {tracked.describe_last()}: {exc}" + (f" ({cleanup})" if cleanup else "")
-            ) from exc
-        finalize_layerwise_reload(model, worker.vllm_config.model_config)
-    if loaded is not None:  # models that report what they loaded (all of vLLM's built-in ones)
-        missing = sorted(expected - set(loaded))
-        if missing:
-            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+    def __init__(self, model: torch.nn.Module, vllm_config: Any) -> None:
+        self.model: Any = model  # a vLLM model: it has load_weights
+        self.vllm_config = vllm_config
+        self.count = 0
+        self.nbytes = 0
+        self._seen: set[str] = set()
+        self._loaded: set[str] = set()
+        self._reports_loaded = True  # every load so far said which parameters it filled
+        self._open = False
+
+    def start(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model)
+        self._open = True
+
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
+        """Load ``weights`` as they arrive; returns (tensors, bytes) of this stream."""
+        from vllm.config import set_current_vllm_config
+
+        if not self._open:
+            raise RolloutLoadError("no weight update is open on this worker: start one first")
+        tracked = _TrackedWeights(weights, self._seen)
+        with set_current_vllm_config(self.vllm_config):
+            try:
+                loaded = self.model.load_weights(tracked)
+            except BaseException as exc:
+                cleanup = self.abandon()
+                if tracked.source_failed or isinstance(exc, (RolloutLoadError, KeyboardInterrupt)):
+                    raise
+                raise RolloutLoadError(
+                    f"vLLM could not load the refit {tracked.describe_last()}: {exc}"
+                    + (f" ({cleanup})" if cleanup else "")
+                ) from exc
+        if loaded is None:
+            self._reports_loaded = False
+        else:  # models that report what they loaded (all of vLLM's built-in ones)
+            self._loaded.update(loaded)
+        self.count += tracked.count
+        self.nbytes += tracked.nbytes
+        return tracked.count, tracked.nbytes
+
+    def finish(self) -> None:
+        """Close the update: refused with :class:`IncompleteRefitError` (the state closed all
+        the same) when a parameter or part of a fused one got no weight."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        if not self._open:
+            raise RolloutLoadError("no weight update is open on this worker: start one first")
+        partial = _partly_loaded_modules(self.model)
+        if partial:
+            self.abandon()
+            shown = "; ".join(partial[:6]) + (f"; and {len(partial) - 6} more" if len(partial) > 6 else "")
             raise IncompleteRefitError(
-                f"the refit brought {tracked.count} weights but none for {len(missing)} of the model's "
-                f"{len(expected)} parameters: {shown}"
+                f"the refit brought {self.count} weights but left {len(partial)} module(s) partly loaded "
+                f"(a part of a fused weight such as q/k/v or gate/up is missing): {shown}"
             )
-    return tracked.count, tracked.nbytes
+        with set_current_vllm_config(self.vllm_config):
+            try:
+                finalize_layerwise_reload(self.model, self.vllm_config.model_config)
+            finally:
+                self._open = False
+        if self._reports_loaded:
+            expected = {name for name, _ in self.model.named_parameters()}
+            missing = sorted(expected - self._loaded)
+            if missing:
+                shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+                raise IncompleteRefitError(
+                    f"the refit brought {self.count} weights but none for {len(missing)} of the model's "
+                    f"{len(expected)} parameters: {shown}"
+                )
+
+    def abandon(self) -> str:
+        """Close vLLM's layerwise state after a failure; "" or what went wrong doing so (the
+        failure stays the error to report; this is said beside it). Idempotent."""
+        if not self._open:
+            return ""
+        self._open = False
+        cleanup = _finalize_after_failure(self.model, self.vllm_config)
+        if cleanup:
+            logger.error("%s", cleanup)
+        return cleanup
+
+
+def load_streamed_weights(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
+    """One whole update of ``worker``'s model (a vLLM worker: it has ``model_runner`` and
+    ``vllm_config``) from one stream, through :class:`LayerwiseLoad`; returns (tensors, bytes)."""
+    update = LayerwiseLoad(worker.model_runner.get_model(), worker.vllm_config)
+    update.start()
+    try:
+        counted = update.load(weights)
+        update.finish()
+    except BaseException:
+        update.abandon()
+        raise
+    return counted
 
 
 def own_pending_weights(model: torch.nn.Module, lent_storages: set[int]) -> int:
@@ -172,13 +238,14 @@ def _padding_elements(module: torch.nn.Module) -> int:
     return int(indices.num_elements_padded - indices.num_org_elements) * dim
 
 
-def _finalize_after_failure(model: torch.nn.Module, model_config: Any) -> str:
-    """Close vLLM's layerwise state after a failed load; "" or what went wrong doing so (the
-    failed load stays the error to report, this is said beside it)."""
+def _finalize_after_failure(model: torch.nn.Module, vllm_config: Any) -> str:
+    """Close vLLM's layerwise state after a failed load; "" or what went wrong doing so."""
+    from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
     try:
-        finalize_layerwise_reload(model, model_config)
+        with set_current_vllm_config(vllm_config):
+            finalize_layerwise_reload(model, vllm_config.model_config)
     except Exception as exc:  # noqa: BLE001 - reported beside the load's own error
         return f"closing vLLM's layerwise reload failed too ({type(exc).__name__}: {exc}): restart the engine"
     return ""

@@ -2,9 +2,10 @@
 
 Join it after the policy workers' pool (``JoinedPool(policy_pool, VllmWorkerPool(rollout))``)
 and the coordinator drives vLLM with the same calls as any rollout worker: ``prepare``,
-``init``, ``refit``, ``commit``, ``discard``, ``reset``, ``finalize``. A vLLM engine's ranks are reached
-together (one ``collective_rpc``), so every call must name each rank once, with the same
-arguments, as the coordinator's calls do.
+``init``, ``refit``, ``commit``, ``discard``, ``reset``, ``finalize``, each the
+:class:`~ckpt_vllm.rollout.VllmRollout` method of that name (``refit`` is its ``receive``). A
+vLLM engine's ranks are reached together (one ``collective_rpc``), so every call must name each
+rank once, with the same arguments, as the coordinator's calls do.
 """
 
 from __future__ import annotations
@@ -16,7 +17,16 @@ from ckpt_core.errors import InvalidArgumentError
 from ckpt_core.orchestration.coordinator import CallResult, RefitFailedError
 from ckpt_vllm.rollout import VllmRollout
 
-_METHODS = ("prepare", "init", "refit", "commit", "discard", "reset", "finalize", "status")
+_METHODS = {  # a rollout worker's method -> VllmRollout's
+    "prepare": "prepare",
+    "init": "init",
+    "refit": "receive",
+    "commit": "commit",
+    "discard": "discard",
+    "reset": "reset",
+    "finalize": "finalize",
+    "status": "status",
+}
 
 
 class VllmWorkerPool:
@@ -27,20 +37,17 @@ class VllmWorkerPool:
         return self.rollout.world_size
 
     def call(self, calls: Sequence[tuple[int, str, dict[str, Any]]], timeout_s: float) -> list[CallResult]:
+        """``VllmRollout.<method>(**kwargs)`` (``refit`` is its ``receive``: the coordinator
+        commits): each rank's share of its value, or its failure."""
         method, kwargs = self._one_call_per_rank(calls)
-        if method == "commit":
-            failed: dict[str, CallResult] = {}
-            try:
-                self.rollout.commit(weight_version=kwargs["weight_version"])
-            except RefitFailedError as exc:
-                failed = {f.worker: f for f in exc.failures}
-            labels = [self.rollout.label(index) for index, _, _ in calls]
+        labels = [self.rollout.label(index) for index, _, _ in calls]
+        try:
+            value = getattr(self.rollout, _METHODS[method])(**kwargs)
+        except RefitFailedError as exc:
+            failed = {f.worker: f for f in exc.failures}
             return [failed.get(label, CallResult(label, True)) for label in labels]
-        if method == "refit":
-            self.rollout.mark_not_current()
-        results = self.rollout.replies(method, timeout_s=timeout_s, **kwargs)
-        by_rank = {index: result for index, result in enumerate(results)}
-        return [by_rank[index] for index, _, _ in calls]
+        values = value if isinstance(value, list) else [value] * len(self)
+        return [CallResult(label, True, values[index]) for label, (index, _, _) in zip(labels, calls)]
 
     def _one_call_per_rank(self, calls: Sequence[tuple[int, str, dict[str, Any]]]) -> tuple[str, dict[str, Any]]:
         methods = {method for _, method, _ in calls}

@@ -1,11 +1,13 @@
 """``VllmRollout``: the driver's side of refits into one running vLLM engine (``vllm.LLM``).
 
-It calls the worker extension (:mod:`ckpt_vllm.extension`) on every rank through
-``LLM.collective_rpc``, turns their replies into values or one
-:class:`~ckpt_core.orchestration.coordinator.RefitFailedError` naming every failed rank,
-commits a refit's version only when every rank loaded all of it, resets vLLM's prefix cache
-before that, and refuses to generate from weights that are not current (``allow_stale=True``
-overrides: the caller decides).
+It drives vLLM's own weight-transfer calls (``init_weight_transfer_engine``,
+``start_weight_update``, ``update_weights``, ``finish_weight_update``) into the ``"ckpt"``
+backend (:mod:`ckpt_vllm.transfer`), plus the worker extension's calls for what that API does
+not say (:mod:`ckpt_vllm.extension`: metadata before init, reports, status, discard). It turns a
+failure into one :class:`~ckpt_core.orchestration.coordinator.RefitFailedError` naming every
+failed rank, commits a refit's version only when every rank loaded all of it, resets vLLM's
+prefix cache before that, and refuses to generate from weights that are not current
+(``allow_stale=True`` overrides: the caller decides).
 """
 
 from __future__ import annotations
@@ -23,13 +25,22 @@ from ckpt_core.errors import (
 from ckpt_core.options import MAX_TIMEOUT_S, check_bool, check_bucket_size, check_count, check_positive_number
 from ckpt_core.orchestration.coordinator import CallResult, RefitFailedError
 from ckpt_vllm.errors import StaleWeightsError
+from ckpt_vllm.plugin import BACKEND_NAME
 
 WORKER_EXTENSION = "ckpt_vllm.extension.CkptEngineWorkerExtension"
-"""What to pass as ``worker_extension_cls`` when building the ``LLM``."""
+"""The worker extension class, by name (``worker_extension_cls``)."""
+
+VLLM_ENGINE_ARGS: dict[str, Any] = {
+    "worker_extension_cls": WORKER_EXTENSION,
+    "weight_transfer_config": {"backend": BACKEND_NAME},
+}
+"""What to add to the ``LLM``'s arguments for :class:`VllmRollout`: ``LLM(model,
+**VLLM_ENGINE_ARGS)``."""
 
 
 class VllmRollout:
-    """Refits of one vLLM engine whose workers carry :data:`WORKER_EXTENSION`.
+    """Refits of one vLLM engine built with :data:`VLLM_ENGINE_ARGS` (the worker extension and
+    the ``"ckpt"`` weight-transfer backend).
 
     ``rank_offset`` is the rollout rank of this engine's rank 0 among all rollout workers of
     the refit (several engines, data-parallel replicas, each take a range). ``rpc_timeout_s``
@@ -52,7 +63,8 @@ class VllmRollout:
     ``engine_kwargs`` a mapping with string keys (its options are the backend's, checked by it
     on every rank), ``rank_offset`` and ``host_pool_bytes`` ints >= 0, ``verify`` a bool,
     ``rpc_timeout_s`` a finite number > 0 of at most 30 days; last, ``llm`` must have
-    ``collective_rpc`` (``InvalidArgumentError``).
+    ``collective_rpc`` (``InvalidArgumentError``), and each of its ranks the extension and the
+    backend (``RefitFailedError`` naming the rank).
     """
 
     def __init__(
@@ -82,8 +94,8 @@ class VllmRollout:
         check_count("VllmRollout", "host_pool_bytes", host_pool_bytes)
         if not callable(getattr(llm, "collective_rpc", None)):
             raise InvalidArgumentError(
-                f"VllmRollout: llm must be a vllm.LLM built with worker_extension_cls=WORKER_EXTENSION (it calls "
-                f"its collective_rpc), got {type(llm).__name__}"
+                f"VllmRollout: llm must be a vllm.LLM built with **VLLM_ENGINE_ARGS (it calls its collective_rpc), "
+                f"got {type(llm).__name__}"
             )
         self.llm = llm
         self.rpc_timeout_s = rpc_timeout_s
@@ -91,49 +103,76 @@ class VllmRollout:
         self.verify = verify
         self.weight_version = 0
         self._current = True
+        self._update_open = False
         self._unusable: str | None = None
-        created = self.replies(
-            "create",
-            backend=backend,
-            bucket_size_bytes=bucket_size_bytes,
-            engine_kwargs=dict(engine_kwargs or {}),
-            rank_offset=rank_offset,
-            verify=verify,
-            host_pool_bytes=host_pool_bytes,
-        )
-        failures = [r for r in created if not r.ok]
+        self._options: dict[str, Any] = {
+            "transport": backend,
+            "bucket_size_bytes": bucket_size_bytes,
+            "engine_kwargs": dict(engine_kwargs or {}),
+            "rank_offset": rank_offset,
+            "host_pool_bytes": host_pool_bytes,
+            "verify": verify,
+        }
+        statuses = self.replies("status")  # every rank has ckpt-engine's weight-transfer engine
+        failures = [r for r in statuses if not r.ok]
         if failures:
-            if len(failures) < len(created):  # leave no rank holding an engine of a failed start
-                self.replies("finalize")
-            raise RefitFailedError("ckpt_engine_create", failures)
-        self.world_size = len(created)
+            raise RefitFailedError("ckpt_engine_status", failures)
+        self.world_size = len(statuses)
 
     # -- calls to every rank -----------------------------------------------------------------
     def replies(self, method: str, *, timeout_s: float | None = None, **kwargs: Any) -> list[CallResult]:
-        """``ckpt_engine_<method>(**kwargs)`` on every rank: one result per rank, in rank order.
-        ``timeout_s`` (default ``rpc_timeout_s``) bounds the call; vLLM raises ``TimeoutError``
-        past it."""
+        """The extension's ``ckpt_engine_<method>(**kwargs)`` on every rank: one result per
+        rank, in rank order."""
+        raw = self._rpc(f"ckpt_engine_{method}", timeout_s, kwargs)
+        return [CallResult.from_reply(self.label(rank), reply) for rank, reply in enumerate(raw)]
+
+    def _rpc(self, method: str, timeout_s: float | None, kwargs: dict[str, Any]) -> list[Any]:
+        """``collective_rpc(method)``, bounded by ``timeout_s`` (default ``rpc_timeout_s``;
+        vLLM raises ``TimeoutError`` past it)."""
         if self._unusable is not None:
             raise LifecycleError(self._unusable)
         timeout = self.rpc_timeout_s if timeout_s is None else max(timeout_s, self.rpc_timeout_s)
         try:
-            raw = self.llm.collective_rpc(f"ckpt_engine_{method}", timeout=timeout, kwargs=kwargs)
+            return list(self.llm.collective_rpc(method, timeout=timeout, kwargs=kwargs))
         except TimeoutError as exc:
             # vLLM's workers may still answer this call, and a later call would read that
             # answer as its own: nothing more goes through this engine.
             self._unusable = (
-                f"ckpt_engine_{method} did not answer within {timeout:g}s; vLLM may still deliver that "
-                "reply to the next call, so this engine takes no more ckpt-engine calls: restart it"
+                f"{method} did not answer within {timeout:g}s; vLLM may still deliver that reply to the next "
+                "call, so this engine takes no more ckpt-engine calls: restart it"
             )
             self._current = False
             raise TransferTimeoutError(self._unusable) from exc
-        return [CallResult.from_reply(self.label(rank), reply) for rank, reply in enumerate(raw)]
+
+    def _vllm_call(self, method: str, timeout_s: float | None = None, **kwargs: Any) -> None:
+        """vLLM's worker method ``method`` on every rank; a failure as ``RefitFailedError``
+        naming each rank that recorded one (all ranks, with vLLM's message, if none did)."""
+        try:
+            self._rpc(method, timeout_s, kwargs)
+        except (TransferTimeoutError, LifecycleError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - vLLM raises what its workers raised, as it likes
+            try:
+                statuses = self._values("status")
+            except Exception:  # noqa: BLE001 - then vLLM's own message is all there is
+                statuses = []
+            failures = [
+                CallResult.failure(self.label(rank), s["last_error"]["error_type"], s["last_error"]["message"])
+                for rank, s in enumerate(statuses)
+                if s["last_error"] is not None
+            ]
+            if not failures:
+                failures = [
+                    CallResult.failure(self.label(rank), type(exc).__name__, str(exc))
+                    for rank in range(self.world_size)
+                ]
+            raise RefitFailedError(method, failures) from exc
 
     def label(self, rank: int) -> str:
         """How errors name this engine's worker ``rank``."""
         return f"vLLM rank {rank} (rollout rank {self.rank_offset + rank})"
 
-    def _call(self, method: str, **kwargs: Any) -> list[Any]:
+    def _values(self, method: str, **kwargs: Any) -> list[Any]:
         results = self.replies(method, **kwargs)
         failures = [r for r in results if not r.ok]
         if failures:
@@ -142,30 +181,70 @@ class VllmRollout:
 
     # -- the lifecycle -----------------------------------------------------------------------
     def prepare(self) -> list[Any]:
-        """Every rank's ``prepare()`` metadata, in rank order: the rollout entries to append
-        after the policy entries."""
-        return self._call("prepare")
+        """A fresh engine on every rank, and each rank's ``prepare()`` metadata in rank order:
+        the rollout entries to append after the policy entries."""
+        return self._values("prepare", init_info=dict(self._options))
 
     def init(self, *, train_world_size: int, rollout_world_size: int, metadata: list[Any]) -> None:
-        """Connect every rank (run it while the policy ranks run ``init_policy_process_group``)."""
-        self._call("init", train_world_size=train_world_size, rollout_world_size=rollout_world_size, metadata=metadata)
+        """Connect every rank (``init_weight_transfer_engine`` with every worker's metadata;
+        run it while the policy ranks run ``init_policy_process_group``)."""
+        self._init(
+            {"train_world_size": train_world_size, "rollout_world_size": rollout_world_size, "metadata": metadata}
+        )
+
+    def connect(
+        self, rendezvous: str, *, train_world_size: int, rollout_world_size: int | None = None, timeout_s: float = 300.0
+    ) -> None:
+        """Connect every rank through a metadata rendezvous (``"host:port"`` of a
+        :class:`~ckpt_core.orchestration.rendezvous.MetadataRendezvous`) instead of
+        :meth:`prepare` and :meth:`init`: each rank prepares a fresh engine and meets the
+        ``train_world_size`` policy ranks there (they call
+        :func:`~ckpt_core.orchestration.rendezvous.exchange_metadata` with their entries).
+        ``rollout_world_size`` (default: this engine's ranks) counts every engine's."""
+        self._init(
+            {
+                "rendezvous": rendezvous,
+                "train_world_size": train_world_size,
+                "rollout_world_size": rollout_world_size,
+                "timeout_s": timeout_s,
+            }
+        )
+
+    def _init(self, peers: dict[str, Any]) -> None:
+        self._vllm_call("init_weight_transfer_engine", init_info={**self._options, **peers})
 
     def refit(self, *, refit_index: int = 0) -> list[dict[str, Any]]:
         """Receive one refit on every rank (run it while the policy ranks send); returns each
         rank's report. Only when every rank loaded all of it is vLLM's prefix cache reset and
         the new version committed; otherwise the engine stays not current and this raises
-        ``RefitFailedError`` naming each failed rank (then :meth:`reset`, set up again, refit).
-        ``refit_index`` (an int >= 0) counts the refits since ``init``, as the policy ranks do."""
+        ``RefitFailedError`` naming each failed rank (then set up again, refit).
+        ``refit_index`` (an int >= 0) counts the refits since ``init``, as the policy ranks do:
+        it is put in the reports."""
         _check_index("refit_index", refit_index)
         reports = self.receive(refit_index=refit_index)
         self.commit()
         return reports
 
     def receive(self, *, refit_index: int = 0) -> list[dict[str, Any]]:
-        """The first half of :meth:`refit`: receive and load on every rank, commit nothing."""
+        """The first half of :meth:`refit`: receive and load on every rank, commit nothing
+        (vLLM's update stays open until :meth:`commit` or :meth:`discard`)."""
         _check_index("refit_index", refit_index)
         self.mark_not_current()
-        return self._call("refit", refit_index=refit_index)
+        if not self._update_open:
+            self._vllm_call("start_weight_update")
+            self._update_open = True
+        try:
+            self._vllm_call("update_weights", update_info={})
+        except RefitFailedError:
+            # vLLM closes the update of each worker whose update failed; a rank that succeeded
+            # still has it open, and finish closes it there (and fails on the others).
+            self._update_open = False
+            try:
+                self._rpc("finish_weight_update", None, {})
+            except Exception:  # noqa: BLE001 - the update's failure is the one to report
+                pass
+            raise
+        return [{**report, "refit_index": refit_index} for report in self._values("report")]
 
     def mark_not_current(self) -> None:
         """From now until the next commit, :meth:`generate` refuses (a refit is starting)."""
@@ -173,19 +252,32 @@ class VllmRollout:
 
     def commit(self, *, weight_version: int | None = None) -> None:
         """Reset vLLM's prefix cache (its cached keys and values came from the old weights),
-        then mark the loaded refit current on every rank as ``weight_version`` (default: one
-        more than the last). :meth:`refit` calls it; a coordinator calls it after checking
-        digests. Refused on a rank that did not load the whole refit. ``weight_version`` is an
-        int >= 0 (``InvalidArgumentError`` otherwise, before anything is reset)."""
+        then close vLLM's update on every rank and make ``weight_version`` (default: one more
+        than the last) the engine's version. :meth:`refit` calls it; a coordinator calls it
+        after checking digests. Refused, before anything is reset, on a rank that did not load
+        the whole refit. ``weight_version`` is an int >= 0 (``InvalidArgumentError`` otherwise)."""
         if weight_version is not None:
             _check_index("weight_version", weight_version)
         version = self.weight_version + 1 if weight_version is None else weight_version
+        unloaded = [
+            CallResult.failure(
+                self.label(rank),
+                "LifecycleError",
+                "has no completely loaded refit to commit"
+                + (f" (last error: {s['last_error']['message']})" if s["last_error"] else ""),
+            )
+            for rank, s in enumerate(self._values("status"))
+            if not (s["loaded"] and self._update_open)
+        ]
+        if unloaded:
+            raise RefitFailedError("commit", unloaded)
         if not self.llm.reset_prefix_cache():
             raise LifecycleError(
                 "vLLM refused to reset its prefix cache (requests are still running); the new weights "
                 "are loaded but not committed: finish or abort the requests, then call commit() again"
             )
-        self._call("commit", weight_version=version)
+        self._finish()
+        self.llm.update_weight_version(str(version))
         self.weight_version = version
         self._current = True
 
@@ -194,18 +286,27 @@ class VllmRollout:
         model but not current, and :meth:`commit` refuses it (a coordinator calls this when
         digests or tensor counts differ from what was sent). Refit again to be current."""
         self.mark_not_current()
-        self._call("discard")
+        self._values("discard")
+        if self._update_open:
+            self._finish()
+
+    def _finish(self) -> None:
+        self._update_open = False
+        self._vllm_call("finish_weight_update")
 
     def reset(self) -> None:
-        """A fresh engine on every rank after a failure (then ``prepare``/``init`` again)."""
-        self._call("reset")
+        """Drop every rank's engine after a failure (then ``prepare``/``init`` again)."""
+        self.finalize()
 
     def finalize(self) -> None:
-        self._call("finalize")
+        """Close an update left open, then ``finalize()`` every rank's engine."""
+        if self._update_open:
+            self._finish()
+        self._vllm_call("shutdown_weight_transfer_engine")
 
     def status(self) -> list[dict[str, Any]]:
-        """Each rank's ``{"rank", "weight_version", "current", "last_error"}``."""
-        return self._call("status")
+        """Each rank's status (:meth:`ckpt_vllm.transfer.CkptWeightTransferEngine.status`)."""
+        return self._values("status")
 
     # -- generation --------------------------------------------------------------------------
     @property

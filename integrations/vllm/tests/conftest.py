@@ -40,7 +40,7 @@ from ckpt_core.orchestration.local import LocalProcessPool  # noqa: E402
 # 70-token prompts fill two 32-token blocks, which vLLM's prefix cache keeps between calls:
 # a refit that did not reset it would generate from keys and values of the old weights.
 PROMPTS = [[(7 * i + j) % 500 + 1 for j in range(70)] for i in range(3)]
-REFITS = 2
+REFITS = 3
 BLOCK_SIZE = 32  # the CPU attention backend takes multiples of 32
 # What each trainer process imports first (~4 s of transformers and torch's compiler stack):
 # imported once, in the zygote its trainers fork from.
@@ -122,7 +122,7 @@ def _rpc_sockets_removed_at_the_end() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The start-up model and W1..W2, each one optimizer step after the last (saved in bf16,
+    """The start-up model and W1..W3 (REFITS of them), each one optimizer step after the last (saved in bf16,
     as vLLM loads them), and the digests of what a refit of each sends."""
     root = tmp_path_factory.mktemp("tiny_qwen2")
     start = save_tiny_qwen2(root / "start")
@@ -161,10 +161,10 @@ def engine_and_references(tp: int, checkpoints: dict[str, Any]) -> Iterator[tupl
     disk (a fresh engine); for each later W_k, after vLLM's own reload of it. Then vLLM
     reloads the start-up model, so the first refit must change every weight; the class's
     tests refit it in turn."""
-    from ckpt_vllm import WORKER_EXTENSION
+    from ckpt_vllm import VLLM_ENGINE_ARGS
 
     first, *later = checkpoints["weights"]
-    with vllm_engine(first, tp, worker_extension_cls=WORKER_EXTENSION) as llm:
+    with vllm_engine(first, tp, **VLLM_ENGINE_ARGS) as llm:
         references = [greedy_tokens(llm.generate)]
         for path in later:
             reload_from_disk(llm, path)

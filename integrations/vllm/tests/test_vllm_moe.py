@@ -43,9 +43,9 @@ def moe_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def moe_llm(moe_checkpoints: dict[str, Any]) -> Iterator[Any]:
-    from ckpt_vllm import WORKER_EXTENSION
+    from ckpt_vllm import VLLM_ENGINE_ARGS
 
-    with vllm_engine(moe_checkpoints["start"], TP, worker_extension_cls=WORKER_EXTENSION) as llm:
+    with vllm_engine(moe_checkpoints["start"], TP, **VLLM_ENGINE_ARGS) as llm:
         yield llm
 
 

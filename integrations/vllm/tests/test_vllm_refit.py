@@ -1,9 +1,9 @@
 """Refits into a running vLLM engine, checked token for token against what vLLM loads itself.
 
 For tensor-parallel sizes 1 and 2 (one test class each, one engine per class: fixtures in
-conftest.py): a trainer process replays the optimizer steps that produced W1..W2 and refits the
+conftest.py): a trainer process replays the optimizer steps that produced W1..W3 and refits the
 engine after each; its greedy tokens must equal what vLLM generates from W_k on disk (from W1
-right after start-up, a fresh engine; from W2 after vLLM's own reload: see
+right after start-up, a fresh engine; from W2 and W3 after vLLM's own reload: see
 ``engine_and_references`` in conftest.py). Then faults: a trainer killed mid-refit and bad
 weights leave the engine marked not current, with its version unchanged, and the next full
 refit recovers.
@@ -108,8 +108,8 @@ class RefitsIntoVllm:
     def test_refits_through_the_coordinator_match_what_vllm_loads_from_disk(
         self, case: str, refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
     ) -> None:
-        """Two refits in a row on one engine (its weights change every time: each case starts
-        again from W1 over the last one's W2), driven by a RefitCoordinator that checks every
+        """Three refits in a row on one engine (its weights change every time: each case starts
+        again from W1 over the last one's W3), driven by a RefitCoordinator that checks every
         tensor's digest before it commits. With 1 MiB buckets layers span batches, so borrowed
         batches hold weights vLLM keeps past the batch: the rank must have cloned them (without
         that, tokens differ: tried)."""
@@ -128,7 +128,7 @@ class RefitsIntoVllm:
                     report = coordinator.refit()
                     assert report.policy[0]["digests"] == checkpoints["digests"][k], "the trainer did not replay W"
                     assert greedy_tokens(rollout.generate) == reference_tokens[k], f"tokens differ after refit {k + 1}"
-                    assert all(s["current"] and s["weight_version"] == k + 1 for s in rollout.status())
+                    assert rollout.weight_version == k + 1 and all(s["current"] for s in rollout.status())
                     for rank_report in report.rollout:
                         assert rank_report["tensors"] == len(checkpoints["digests"][k])
                         stats = rank_report["stats"]
@@ -174,7 +174,7 @@ class RefitsIntoVllm:
             with pytest.raises(InvalidArgumentError, match="allow_stale must be True or False, got 'no'"):
                 rollout.generate([{"prompt_token_ids": [1, 2]}], allow_stale="no")  # type: ignore[arg-type]
             assert rollout.is_current and rollout.weight_version == 0
-            assert all(s["current"] and s["weight_version"] == 0 for s in rollout.status())
+            assert all(s["current"] for s in rollout.status())
         finally:
             rollout.finalize()
 
@@ -190,7 +190,7 @@ class RefitsIntoVllm:
                 set_up(trainer, rollout)
                 train(trainer)
                 assert refit(trainer, rollout)[1] and greedy_tokens(rollout.generate) == reference_tokens[0]
-                before = rollout.status()
+                version = rollout.weight_version
                 train(trainer)
                 started = time.monotonic()
                 sent, received = refit(trainer, rollout, die_after=10)
@@ -204,7 +204,7 @@ class RefitsIntoVllm:
                 )
             assert elapsed < timeout_s + 15
             after = rollout.status()
-            assert [s["weight_version"] for s in after] == [s["weight_version"] for s in before]
+            assert rollout.weight_version == version and not rollout.is_current
             assert not any(s["current"] for s in after) and all(s["last_error"] for s in after)
             with pytest.raises(StaleWeightsError):
                 greedy_tokens(rollout.generate)
@@ -217,9 +217,7 @@ class RefitsIntoVllm:
                 sent, received = refit(trainer, rollout)
                 assert sent.ok and not isinstance(received, Exception), received
             assert greedy_tokens(rollout.generate) == reference_tokens[1]
-            assert all(
-                s["current"] and s["weight_version"] == before[0]["weight_version"] + 1 for s in rollout.status()
-            )
+            assert rollout.weight_version == version + 1 and all(s["current"] for s in rollout.status())
         finally:
             rollout.finalize()
 
@@ -245,7 +243,9 @@ class RefitsIntoVllm:
                 assert all(f.error_type == "LifecycleError" for f in caught.value.failures), caught.value
                 assert not rollout.is_current and rollout.weight_version == version
                 status = rollout.status()
-                assert not any(s["current"] for s in status) and all("rejected" in s["last_error"] for s in status)
+                assert not any(s["current"] for s in status) and all(
+                    "rejected" in s["last_error"]["message"] for s in status
+                )
                 with pytest.raises(StaleWeightsError):
                     greedy_tokens(rollout.generate)
                 sent, received = refit(trainer, rollout)  # the same W1 again, loaded and committed
@@ -294,7 +294,7 @@ class RefitsIntoVllm:
         self, backend: str, tp: int, refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
     ) -> None:
         """One trainer feeding every tensor-parallel rank a stream of its own (topology fanout),
-        each rank's layout derived from its live model: two refits in a row generate what vLLM
+        each rank's layout derived from its live model: three refits in a row generate what vLLM
         generates from W_k on disk, and each rank receives its own parameters' bytes (its shards
         and what it replicates), not the model's (at TP 1, the one rank keeps it all)."""
         options = {**BACKENDS[backend], "shard_expert_weights": True, "topology": "fanout"}
