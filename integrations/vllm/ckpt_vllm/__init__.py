@@ -10,16 +10,38 @@ it with ``LLM(..., **ckpt_vllm.VLLM_ENGINE_ARGS)`` and drives refits with
 
 from __future__ import annotations
 
-from ckpt_vllm.errors import IncompleteRefitError, RolloutLoadError, StaleWeightsError
-from ckpt_vllm.pool import VllmWorkerPool
-from ckpt_vllm.rollout import VLLM_ENGINE_ARGS, WORKER_EXTENSION, VllmRollout
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "VLLM_ENGINE_ARGS",
-    "WORKER_EXTENSION",
-    "IncompleteRefitError",
-    "RolloutLoadError",
-    "StaleWeightsError",
-    "VllmRollout",
-    "VllmWorkerPool",
-]
+# Exports load on first use: vLLM imports ckpt_vllm.plugin in every process it starts, and that
+# must work (and import nothing of ckpt-core) even where ckpt-core is broken.
+_EXPORTS = {
+    "VLLM_ENGINE_ARGS": "ckpt_vllm.rollout",
+    "WORKER_EXTENSION": "ckpt_vllm.rollout",
+    "IncompleteRefitError": "ckpt_vllm.errors",
+    "RolloutLoadError": "ckpt_vllm.errors",
+    "StaleWeightsError": "ckpt_vllm.errors",
+    "VllmRollout": "ckpt_vllm.rollout",
+    "VllmWorkerPool": "ckpt_vllm.pool",
+    "WorkersFailedError": "ckpt_vllm.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from ckpt_vllm.errors import IncompleteRefitError, RolloutLoadError, StaleWeightsError, WorkersFailedError
+    from ckpt_vllm.pool import VllmWorkerPool
+    from ckpt_vllm.rollout import VLLM_ENGINE_ARGS, WORKER_EXTENSION, VllmRollout
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckpt_vllm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -23,3 +23,17 @@ def register() -> None:
     ):
         if BACKEND_NAME not in factory._registry:  # vLLM refuses a second registration of a name
             factory.register_engine(BACKEND_NAME, module, class_name)
+
+
+def require_ckpt_core() -> None:
+    """Import ckpt-core, or fail with an ``ImportError`` that says what is broken and how to
+    repair it (what a config that selects ``"ckpt"`` sees on an install without a working
+    ckpt-core, instead of a bare ``No module named ...`` deep in vLLM's start-up)."""
+    try:
+        import ckpt_core.registry  # noqa: F401 - the import is the check
+    except ImportError as exc:
+        raise ImportError(
+            f"vLLM's weight-transfer backend '{BACKEND_NAME}' (ckpt-vllm) cannot import ckpt-core: {exc}. "
+            "Install ckpt-core beside vLLM with a transport (pip install ckpt-core ckpt-gloo-cpu, or ckpt-nccl, "
+            "ckpt-cuda-ipc), or select another weight_transfer_config backend"
+        ) from exc
