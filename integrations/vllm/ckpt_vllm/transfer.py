@@ -40,6 +40,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from ckpt_vllm.plugin import require_ckpt_core
+
+require_ckpt_core()
+
 from ckpt_core.contract import CheckpointEngine
 from ckpt_core.errors import InvalidArgumentError, LifecycleError
 from ckpt_core.host_pool import limit_host_pool
@@ -456,23 +460,23 @@ def settle(step: str, failure: BaseException | None) -> None:
     Why only one: vLLM's multiprocess executor reads its workers' replies in rank order and
     stops at the first failure, leaving the later workers' replies queued, where the next call
     reads them as its own (every later call then gets another call's reply). The last worker's
-    reply is read last, so its failure leaves nothing behind. With one worker, ``failure``
-    itself is raised. A collective of the engine's own workers (vLLM's world group, on its
-    CPU group): every worker is in the same call.
+    reply is read last, so its failure leaves nothing behind. The error names each worker's
+    error type too (vLLM passes on only the text of what a worker raised). A collective of the
+    engine's own workers (vLLM's world group, on its CPU group): every worker is in the same
+    call.
     """
     from vllm.distributed.parallel_state import get_world_group
 
     group = get_world_group()
-    if group.world_size == 1:
-        if failure is not None:
-            raise failure
-        return
     said = b"" if failure is None else f"{type(failure).__name__}: {failure}".encode()[:_MESSAGE_BYTES]
     mine = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
     if said:
         mine[: len(said)] = torch.frombuffer(bytearray(said), dtype=torch.uint8)
-    everyone = [torch.empty_like(mine) for _ in range(group.world_size)]
-    torch.distributed.all_gather(everyone, mine, group=group.cpu_group)
+    if group.world_size == 1:
+        everyone = [mine]
+    else:
+        everyone = [torch.empty_like(mine) for _ in range(group.world_size)]
+        torch.distributed.all_gather(everyone, mine, group=group.cpu_group)
     failed = {
         rank: bytes(message.numpy()).rstrip(b"\0").decode(errors="replace")
         for rank, message in enumerate(everyone)

@@ -24,6 +24,7 @@ from ckpt_core.errors import InvalidArgumentError
 from ckpt_core.orchestration.coordinator import CallResult, RefitCoordinator, RefitFailedError
 from ckpt_core.orchestration.joined import JoinedPool
 from ckpt_core.orchestration.local import LocalProcessPool
+from ckpt_core.orchestration.rendezvous import MetadataRendezvous
 from ckpt_vllm import IncompleteRefitError, RolloutLoadError, StaleWeightsError, VllmRollout, VllmWorkerPool
 
 BACKENDS = {"gloo_cpu": {}, "cuda_ipc": {"device": "cpu"}}
@@ -138,6 +139,44 @@ class RefitsIntoVllm:
                             assert rank_report["pending_cloned_bytes"] == 0, rank_report
             finally:
                 coordinator.finalize()
+
+    @pytest.mark.parametrize("backend", sorted(BACKENDS))
+    def test_vllms_own_offline_calls_refit_it_through_a_rendezvous(
+        self, backend: str, tp: int, refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
+    ) -> None:
+        """vLLM's offline API as its documentation uses it, with no ckpt-vllm driver:
+        ``init_weight_transfer_engine`` naming the backend and a rendezvous this process serves
+        (the trainer meets the workers there), then per refit ``start_weight_update``,
+        ``update_weights`` (while the trainer sends) and ``finish_weight_update`` with a
+        version. Three refits in a row, each token-equal to what vLLM loads from disk."""
+        init_info = {"transport": backend, "bucket_size_bytes": BUCKET, "engine_kwargs": BACKENDS[backend]}
+        try:
+            with trainer_pool(checkpoints["start"], backend, **BACKENDS[backend]) as trainer:
+                with MetadataRendezvous() as rendezvous:
+                    (joined,), _ = in_parallel(
+                        lambda: trainer.call(
+                            [(0, "connect", {"rendezvous": rendezvous.address, "rollout_world_size": tp})],
+                            CALL_TIMEOUT_S,
+                        ),
+                        lambda: refitted_llm.init_weight_transfer_engine(
+                            {"init_info": {**init_info, "rendezvous": rendezvous.address}}
+                        ),
+                    )
+                    assert joined.ok, joined.describe()
+                for k in range(REFITS):
+                    train(trainer)
+                    refitted_llm.start_weight_update()
+                    (sent,), _ = in_parallel(
+                        lambda: trainer.call([(0, "refit", {})], CALL_TIMEOUT_S),
+                        lambda: refitted_llm.update_weights({"update_info": {}}),
+                    )
+                    assert sent.ok, sent.describe()
+                    refitted_llm.finish_weight_update(weight_version=f"offline-{k + 1}")
+                    assert refitted_llm.reset_prefix_cache()  # the cache holds the old weights' keys
+                    assert greedy_tokens(refitted_llm.generate) == reference_tokens[k], f"tokens differ after {k + 1}"
+                    assert refitted_llm.get_weight_version() == f"offline-{k + 1}"
+        finally:
+            refitted_llm.shutdown_weight_transfer_engine()
 
     def test_a_borrowed_weight_that_fills_its_bucket_exactly_is_kept_while_vllm_holds_it(
         self, refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]

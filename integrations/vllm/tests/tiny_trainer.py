@@ -62,6 +62,7 @@ class TinyTrainer:
         self.rank = rank
         self.backend, self.bucket_size, self.engine_kwargs = backend, bucket_size, dict(engine_kwargs or {})
         self.engine = self._new_engine()
+        self.vllm_engine: Any = None  # a CkptTrainerWeightTransferEngine, after connect_vllm
 
     def _new_engine(self) -> Any:
         return create_checkpoint_engine(
@@ -105,32 +106,83 @@ class TinyTrainer:
             metadata=metadata,
         )
 
-    def refit(
+    def connect(self, *, rendezvous: str, rollout_world_size: int, timeout_s: float = 120.0) -> None:
+        """``prepare()``, the metadata of every worker from ``rendezvous``, then
+        ``init_policy_process_group``: how a policy worker meets vLLM's workers that
+        ``init_weight_transfer_engine`` sent to the same rendezvous."""
+        from ckpt_core.orchestration.rendezvous import exchange_metadata
+
+        metadata = exchange_metadata(
+            rendezvous,
+            role="policy",
+            rank=self.rank,
+            entry=self.engine.prepare(),
+            train_world_size=1,
+            rollout_world_size=rollout_world_size,
+            timeout_s=timeout_s,
+        )
+        self.init(train_world_size=1, rollout_world_size=rollout_world_size, metadata=metadata)
+
+    def refit(self, *, refit_index: int = 0, **faults: Any) -> dict[str, Any]:
+        """Send the weights through the seed lifecycle's engine (``faults``: see :meth:`_source`)."""
+        asyncio.run(self.engine.send_weights(self._source(**faults)))
+        return self._sent(**faults)
+
+    def connect_vllm(
         self,
         *,
-        refit_index: int = 0,
+        url: str,
+        rollout_world_size: int,
+        engine_kwargs: dict[str, Any] | None = None,
+        timeout_s: float = 120.0,
+    ) -> None:
+        """Connect to the vLLM server at ``url`` as vLLM's RL tooling does: its factory and HTTP
+        client, with ckpt-engine's trainer init info (this trainer's backend and bucket size)."""
+        from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
+
+        from ckpt_vllm.trainer import CkptTrainerInitInfo
+
+        if self.vllm_engine is not None:
+            self.vllm_engine.shutdown()
+        info = CkptTrainerInitInfo(
+            rank=self.rank,
+            transport=self.backend,
+            bucket_size_bytes=self.bucket_size,
+            rollout_world_size=rollout_world_size,
+            engine_kwargs=dict(self.engine_kwargs if engine_kwargs is None else engine_kwargs),
+            timeout_s=timeout_s,
+        )
+        client = HTTPVLLMWeightSyncClient(url, timeout=timeout_s + 60)
+        self.vllm_engine = WeightTransferTrainerFactory.trainer_init(info, client=client)
+
+    def send_vllm(self, *, weight_version: str, **faults: Any) -> dict[str, Any]:
+        """One refit of the server :meth:`connect_vllm` reached (``faults``: see :meth:`_source`)."""
+        self.vllm_engine.send_weights(self._source(**faults), weight_version=weight_version)
+        return self._sent(**faults)
+
+    def _source(
+        self,
+        *,
         die_after: int | None = None,
         extra: list[dict[str, Any]] | None = None,
         reshape: str | None = None,
         skip: str | None = None,
-    ) -> dict[str, Any]:
-        """Send the weights. Faults for the tests: ``die_after`` N weights the process SIGKILLs
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights, with faults for the tests: ``die_after`` N weights the process SIGKILLs
         itself mid-refit; ``extra`` adds ``{"name", "shape"}`` weights; ``reshape`` sends that
         weight with one more row; ``skip`` leaves that weight out."""
+        for count, (name, tensor) in enumerate(self.weights()):
+            if die_after is not None and count == die_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if name == skip:
+                continue
+            if name == reshape:
+                tensor = torch.cat([tensor, tensor[:1]])
+            yield name, tensor
+        for spec in extra or []:
+            yield spec["name"], torch.zeros(spec["shape"], dtype=torch.bfloat16)
 
-        def source() -> Iterator[tuple[str, torch.Tensor]]:
-            for count, (name, tensor) in enumerate(self.weights()):
-                if die_after is not None and count == die_after:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                if name == skip:
-                    continue
-                if name == reshape:
-                    tensor = torch.cat([tensor, tensor[:1]])
-                yield name, tensor
-            for spec in extra or []:
-                yield spec["name"], torch.zeros(spec["shape"], dtype=torch.bfloat16)
-
-        asyncio.run(self.engine.send_weights(source()))
+    def _sent(self, *, extra: list[dict[str, Any]] | None = None, skip: str | None = None, **_: Any) -> dict[str, Any]:
         sent = len(self.model.state_dict()) + len(extra or []) - (skip is not None)
         return {"role": "policy", "rank": self.rank, "tensors": sent, "digests": self.digests()}
 
@@ -145,3 +197,5 @@ class TinyTrainer:
 
     def finalize(self) -> None:
         self.engine.finalize()
+        if self.vllm_engine is not None:
+            self.vllm_engine.shutdown()

@@ -1,0 +1,358 @@
+"""Refits of a real ``vllm serve`` over HTTP, through vLLM's own weight-transfer API.
+
+One server per tensor-parallel size (a subprocess on loopback, ``--weight-transfer-config
+'{"backend": "ckpt"}'``, the RL routes mounted by ``VLLM_SERVER_DEV_MODE=1``). A trainer process
+refits it as vLLM's RL tooling does: ``WeightTransferTrainerFactory.trainer_init`` with
+``CkptTrainerInitInfo`` and vLLM's ``HTTPVLLMWeightSyncClient``, then ``send_weights`` after
+each training step, the server paused around it (``/pause``, ``/resume``: vLLM's RL flow, which
+clears the prefix cache). Greedy completions through ``/v1/completions`` must equal what the
+server generated from each W_k itself: right after start-up from W1 (a fresh server), and after
+vLLM's own reload of W2 and W3. At tensor-parallel 1 also: bad weights and a trainer killed
+mid-update (HTTP errors, the old version kept, recovery), and requests in flight carried across
+a refit in ``keep`` mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from conftest import PROMPTS, REFITS, trainer_pool
+
+CALL_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 240.0
+BACKENDS = {"gloo_cpu": {}, "cuda_ipc": {"device": "cpu"}}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextlib.contextmanager
+def vllm_server(model: Path, tp: int, log: Path) -> Iterator[str]:
+    """``vllm serve model`` at tensor-parallel ``tp`` on loopback; its base URL once it answers
+    ``/health``. Stopped (SIGINT, then SIGKILL) on exit; its output goes to ``log``."""
+    port = free_port()
+    env = dict(
+        os.environ,
+        VLLM_SERVER_DEV_MODE="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND="0|1" if tp == 2 else "nobind",
+    )
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
+        "--tensor-parallel-size", str(tp), "--enforce-eager", "--skip-tokenizer-init",
+        "--max-model-len", "128", "--block-size", "32", "--dtype", "bfloat16", "--seed", "0",
+        "--weight-transfer-config", '{"backend": "ckpt"}',
+    ]  # fmt: skip
+    # `vllm serve`'s own server; the `vllm` command of the CPU build (0.32) fails before it starts
+    # (it asks for the version of a distribution named vllm, and this one is vllm-cpu).
+    with open(log, "wb") as out:
+        server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {server.returncode}:\n{log.read_text()[-4000:]}")
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve did not answer within {START_TIMEOUT_S:g}s:\n{log.read_text()[-4000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGINT)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(30)
+
+
+def post(url: str, route: str, **kwargs: Any) -> Any:
+    response = requests.post(f"{url}/{route}", timeout=CALL_TIMEOUT_S, **kwargs)
+    assert response.status_code == 200, (route, response.status_code, response.text)
+    return response.json() if response.content else None
+
+
+def completions(url: str) -> list[list[int]]:
+    """Greedy token ids of ``PROMPTS`` through the OpenAI-compatible route."""
+    body = {"model": "tiny", "prompt": PROMPTS, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    choices = sorted(post(url, "v1/completions", json=body)["choices"], key=lambda c: c["index"])
+    return [list(choice["token_ids"]) for choice in choices]
+
+
+def weight_version(url: str) -> str:
+    response = requests.get(f"{url}/weight_info", timeout=CALL_TIMEOUT_S)
+    assert response.status_code == 200, response.text
+    return str(response.json()["weight_version"])
+
+
+def reload_from_disk(url: str, path: Path) -> None:
+    """vLLM's own reload of the weights at ``path`` (its loader, not ours), then a prefix
+    cache reset."""
+    kwargs = {"weights_path": str(path), "is_checkpoint_format": True}
+    post(url, "collective_rpc", json={"method": "reload_weights", "kwargs": kwargs})
+    assert post(url, "reset_prefix_cache")["success"]
+
+
+@pytest.fixture(scope="class")
+def server_and_references(
+    tp: int, checkpoints: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, list[list[list[int]]]]]:
+    """One server per tensor-parallel size, and the tokens every refit must reproduce (as the
+    offline engine's fixture in conftest.py, over HTTP)."""
+    first, *later = checkpoints["weights"]
+    log = tmp_path_factory.mktemp(f"serve_tp{tp}") / "vllm_serve.log"
+    with vllm_server(first, tp, log) as url:
+        references = [completions(url)]
+        for path in later:
+            reload_from_disk(url, path)
+            references.append(completions(url))
+        reload_from_disk(url, checkpoints["start"])
+        assert completions(url) != references[0], "the start-up model generates what W1 does"
+        yield url, references
+
+
+def trainer_step(trainer: Any, url: str, version: str, **faults: Any) -> Any:
+    """One optimizer step, then one refit with the server paused around it (its result)."""
+    (trained,) = trainer.call([(0, "train", {"steps": 1})], CALL_TIMEOUT_S)
+    assert trained.ok, trained.describe()
+    post(url, "pause")
+    try:
+        (sent,) = trainer.call([(0, "send_vllm", {"weight_version": version, **faults})], CALL_TIMEOUT_S)
+    finally:
+        post(url, "resume")
+    return sent
+
+
+def connect(trainer: Any, url: str, tp: int, **kwargs: Any) -> None:
+    (connected,) = trainer.call([(0, "connect_vllm", {"url": url, "rollout_world_size": tp, **kwargs})], CALL_TIMEOUT_S)
+    assert connected.ok, connected.describe()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Each class's ``CASES``: the transports at both sizes, the sharded refit at 2 (at 1 the
+    one rank keeps everything)."""
+    if "case" in metafunc.fixturenames and metafunc.cls is not None:
+        metafunc.parametrize("case", metafunc.cls.CASES)
+
+
+class RefitsOfVllmServe:
+    TP: int
+    CASES: list[str]
+
+    def test_refits_over_http_generate_what_the_server_loads_itself(
+        self, case: str, tp: int, checkpoints: dict[str, Any], server_and_references: tuple[str, Any]
+    ) -> None:
+        """Three refits in a row from a trainer that trains between them; each one's greedy
+        completions equal the server's own load of W_k, and ``/weight_info`` says the version
+        the trainer gave. Sharded: each rank's layout derived from its live model, one stream
+        per rank (topology fanout)."""
+        url, references = server_and_references
+        backend, sharded = case.removesuffix("-sharded"), case.endswith("-sharded")
+        options = {**BACKENDS[backend], **({"shard_expert_weights": True, "topology": "fanout"} if sharded else {})}
+        with trainer_pool(checkpoints["start"], backend, **options) as trainer:
+            connect(trainer, url, tp)
+            for k in range(REFITS):
+                sent = trainer_step(trainer, url, f"{case}-{k + 1}")
+                assert sent.ok, sent.describe()
+                assert completions(url) == references[k], f"tokens differ after refit {k + 1}"
+                assert weight_version(url) == f"{case}-{k + 1}"
+
+
+class InFlight:
+    """One streamed greedy completion on a thread of its own: the token ids as they arrive."""
+
+    def __init__(self, url: str, prompt: list[int], max_tokens: int) -> None:
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        self.started = threading.Event()
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "return_token_ids": True,
+            "stream": True,
+        }
+        self._thread = threading.Thread(target=self._run, args=(url, body), daemon=True)
+        self._thread.start()
+
+    def _run(self, url: str, body: dict[str, Any]) -> None:
+        try:
+            with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=CALL_TIMEOUT_S) as response:
+                assert response.status_code == 200, response.text
+                for line in response.iter_lines():
+                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                        continue
+                    (choice,) = json.loads(line[len(b"data: ") :])["choices"]
+                    self.tokens.extend(choice.get("token_ids") or [])
+                    self.finish_reason = choice.get("finish_reason") or self.finish_reason
+                    if self.tokens:
+                        self.started.set()
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            self.error = exc
+        finally:
+            self.started.set()
+
+    def join(self) -> None:
+        self._thread.join(CALL_TIMEOUT_S)
+        assert not self._thread.is_alive() and self.error is None, self.error
+
+
+IN_FLIGHT_PROMPTS = [[(11 * i + j) % 500 + 1 for j in range(8)] for i in range(3)]
+IN_FLIGHT_TOKENS = 100  # 8 + 100 within the server's 128
+
+
+def greedy_continuations(url: str, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    out = []
+    for prompt, tokens in zip(prompts, max_tokens):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "return_token_ids": True}
+        out.append(list(post(url, "v1/completions", json=body)["choices"][0]["token_ids"]) if tokens else [])
+    return out
+
+
+def _split(tokens: list[int], old: list[int]) -> int:
+    """Where the old weights' tokens end: the first position at which ``tokens`` leaves
+    ``old`` (the new weights may agree with the old ones on a few tokens after the pause: the
+    test then checks the continuation from this later point, which the new weights generate
+    as well)."""
+    k = 0
+    while k < min(len(tokens), len(old)) and tokens[k] == old[k]:
+        k += 1
+    return k
+
+
+class TestServeTensorParallel1(RefitsOfVllmServe):
+    """Faults and requests in flight at one size: what they check is the server's and the
+    trainer's, the same at any size (the offline tests run the faults at both)."""
+
+    TP = 1
+    CASES = ["gloo_cpu", "cuda_ipc"]
+
+    def test_a_bad_weight_is_an_http_error_naming_it_and_the_version_stays(
+        self, tp: int, checkpoints: dict[str, Any], server_and_references: tuple[str, Any]
+    ) -> None:
+        """A weight vLLM lacks, then one of a wrong shape: the trainer's send fails with what
+        the server answered, naming the weight; the version stays; a new ``trainer_init`` and
+        a whole refit recover the server token for token."""
+        url, references = server_and_references
+        unknown, reshaped = "model.layers.0.mlp.not_a_weight.weight", "model.layers.1.mlp.down_proj.weight"
+        bad: dict[str, dict[str, Any]] = {
+            unknown: {"extra": [{"name": unknown, "shape": [4, 4]}]},
+            reshaped: {"reshape": reshaped},
+        }
+        with trainer_pool(checkpoints["start"], "gloo_cpu", timeout_s=10.0) as trainer:
+            connect(trainer, url, tp, timeout_s=10.0)
+            assert trainer_step(trainer, url, "good").ok
+            for name, fault in bad.items():
+                (sent,) = trainer.call([(0, "send_vllm", {"weight_version": "bad", **fault})], CALL_TIMEOUT_S)
+                assert not sent.ok and sent.error_type == "RemoteRefitError", sent.describe()
+                assert name in (sent.message or "") and "RolloutLoadError" in (sent.message or ""), sent.describe()
+                assert weight_version(url) == "good"
+                connect(trainer, url, tp, timeout_s=10.0)
+            post(url, "pause")
+            (sent,) = trainer.call([(0, "send_vllm", {"weight_version": "again"})], CALL_TIMEOUT_S)
+            post(url, "resume")
+            assert sent.ok, sent.describe()
+        assert completions(url) == references[0] and weight_version(url) == "again"
+
+    def test_a_trainer_killed_mid_update_leaves_the_server_up_on_its_old_version(
+        self, tp: int, checkpoints: dict[str, Any], server_and_references: tuple[str, Any]
+    ) -> None:
+        """The trainer SIGKILLs itself mid-refit: the server's update fails within the
+        backend's ``timeout_s`` (the next trainer's init, queued behind it, succeeds by then),
+        the server keeps answering with its old version, and the next refit recovers it."""
+        url, references = server_and_references
+        timeout_s = 10.0
+        with trainer_pool(checkpoints["start"], "gloo_cpu", timeout_s=timeout_s) as trainer:
+            connect(trainer, url, tp, timeout_s=timeout_s)
+            assert trainer_step(trainer, url, "before").ok
+            (trained,) = trainer.call([(0, "train", {"steps": 1})], CALL_TIMEOUT_S)
+            assert trained.ok
+            (sent,) = trainer.call([(0, "send_vllm", {"weight_version": "never", "die_after": 10})], CALL_TIMEOUT_S)
+            killed = time.monotonic()
+            assert not sent.ok and "SIGKILL" in (sent.message or ""), sent.describe()
+        assert weight_version(url) == "before"
+        with trainer_pool(checkpoints["start"], "gloo_cpu", timeout_s=timeout_s) as trainer:
+            connect(trainer, url, tp, timeout_s=timeout_s)
+            assert time.monotonic() - killed < timeout_s + 30
+            assert completions(url) is not None and weight_version(url) == "before"
+            assert trainer_step(trainer, url, "after").ok
+        assert completions(url) == references[0] and weight_version(url) == "after"
+
+    def test_requests_in_flight_survive_a_refit_and_continue_on_the_new_weights(
+        self, tp: int, checkpoints: dict[str, Any], server_and_references: tuple[str, Any]
+    ) -> None:
+        """Streams running when the server pauses in ``keep`` mode: with ``clear_cache=true``
+        all finish after ``/resume``, none aborted, each one the old weights' greedy tokens up
+        to a point no earlier than what the client had seen before the pause, then exactly what
+        the new weights generate greedily from the prompt plus that prefix (their keys and
+        values recomputed: vLLM preempts the running requests as it clears the cache). With
+        ``clear_cache=false`` none is lost and ``/weight_info`` says the new version."""
+        url, _ = server_and_references
+        with trainer_pool(checkpoints["start"], "gloo_cpu") as trainer:
+            connect(trainer, url, tp)
+            assert trainer_step(trainer, url, "old").ok
+            old = greedy_continuations(url, IN_FLIGHT_PROMPTS, [IN_FLIGHT_TOKENS] * len(IN_FLIGHT_PROMPTS))
+            (trained,) = trainer.call([(0, "train", {"steps": 1})], CALL_TIMEOUT_S)
+            assert trained.ok
+            streams = [InFlight(url, prompt, IN_FLIGHT_TOKENS) for prompt in IN_FLIGHT_PROMPTS]
+            for stream in streams:
+                assert stream.started.wait(CALL_TIMEOUT_S) and stream.error is None, stream.error
+            seen = [len(stream.tokens) for stream in streams]
+            post(url, "pause?mode=keep&clear_cache=true")
+            assert all(stream.finish_reason is None for stream in streams), "a request ended before the pause"
+            (sent,) = trainer.call([(0, "send_vllm", {"weight_version": "new"})], CALL_TIMEOUT_S)
+            assert sent.ok, sent.describe()
+            post(url, "resume")
+            for stream in streams:
+                stream.join()
+            assert [s.finish_reason for s in streams] == ["length"] * len(streams)
+            splits = [_split(stream.tokens, reference) for stream, reference in zip(streams, old)]
+            prefixes = [prompt + stream.tokens[:k] for prompt, stream, k in zip(IN_FLIGHT_PROMPTS, streams, splits)]
+            new = greedy_continuations(url, prefixes, [IN_FLIGHT_TOKENS - k for k in splits])
+            for stream, k, before, continued in zip(streams, splits, seen, new):
+                assert before <= k < IN_FLIGHT_TOKENS, (before, k)
+                assert stream.tokens[k:] == continued, (k, stream.tokens, continued)
+            assert weight_version(url) == "new"
+
+            (trained,) = trainer.call([(0, "train", {"steps": 1})], CALL_TIMEOUT_S)
+            assert trained.ok
+            streams = [InFlight(url, prompt, IN_FLIGHT_TOKENS) for prompt in IN_FLIGHT_PROMPTS]
+            for stream in streams:
+                assert stream.started.wait(CALL_TIMEOUT_S) and stream.error is None, stream.error
+            post(url, "pause?mode=keep&clear_cache=false")
+            (sent,) = trainer.call([(0, "send_vllm", {"weight_version": "kept"})], CALL_TIMEOUT_S)
+            assert sent.ok, sent.describe()
+            post(url, "resume")
+            for stream in streams:
+                stream.join()
+            assert [s.finish_reason for s in streams] == ["length"] * len(streams)
+            assert all(len(s.tokens) == IN_FLIGHT_TOKENS for s in streams)
+            assert weight_version(url) == "kept"
+
+
+class TestServeTensorParallel2(RefitsOfVllmServe):
+    TP = 2
+    CASES = ["gloo_cpu", "cuda_ipc", "gloo_cpu-sharded"]
