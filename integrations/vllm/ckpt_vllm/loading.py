@@ -167,20 +167,6 @@ class LayerwiseLoad:
         return cleanup
 
 
-def load_streamed_weights(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
-    """One whole update of ``worker``'s model (a vLLM worker: it has ``model_runner`` and
-    ``vllm_config``) from one stream, through :class:`LayerwiseLoad`; returns (tensors, bytes)."""
-    update = LayerwiseLoad(worker.model_runner.get_model(), worker.vllm_config)
-    update.start()
-    try:
-        counted = update.load(weights)
-        update.finish()
-    except BaseException:
-        update.abandon()
-        raise
-    return counted
-
-
 def own_pending_weights(model: torch.nn.Module, lent_storages: set[int]) -> int:
     """Replace with clones the tensors vLLM's layerwise reload still holds, for layers not
     complete yet, that view one of ``lent_storages`` (storage ``data_ptr()`` values); returns the

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, Self
@@ -201,7 +202,17 @@ class CkptTrainerWeightTransferEngine(TrainerWeightTransferEngine[CkptTrainerIni
         except BaseException as exc:
             self.failure = f"a refit failed ({type(exc).__name__}: {exc})"
             engine.finalize()
+            if self.is_sender:
+                self._close_update()
             raise
+
+    def _close_update(self) -> None:
+        """Close the server's update after a failed one. Only its last worker raised (see
+        ``ckpt_vllm.transfer.settle``), so vLLM closed the update there alone; the others
+        would refuse the next ``start_weight_update``. This finish closes it on them (the last
+        worker refuses it, last, which leaves vLLM's replies in order) and sets no version."""
+        with contextlib.suppress(Exception):
+            self.client.finish_weight_update(None)
 
     def shutdown(self) -> None:
         """Finalize this rank's engine (the server's stays until its own shutdown call)."""

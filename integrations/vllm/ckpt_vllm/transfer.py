@@ -179,6 +179,7 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
         self.last_report: dict[str, Any] | None = None
         self.heap_trimmed = False  # the last update handed its freed heap back as it ended
         self._updating = False
+        self._refused: Exception | None = None  # what parse_init_info refused, for init to settle
 
     @property
     def rollout_rank(self) -> int:
@@ -211,10 +212,24 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
         self.prepared = info.engine_options()
         return metadata
 
-    def init_transfer_engine(self, init_info: CkptInitInfo) -> None:
-        init_info.check()
-        rollout_world_size = init_info.rollout_world_size or self.engine_workers
+    def parse_init_info(self, init_dict: dict[str, Any]) -> CkptInitInfo:
+        # vLLM parses in every worker before init_transfer_engine; a refusal there would be
+        # raised by every worker (see settle() for why that must not be), so it is kept for
+        # init_transfer_engine to settle.
+        self._refused = None
         try:
+            return super().parse_init_info(init_dict)
+        except ValueError as exc:
+            fields = [field.name for field in dataclasses.fields(CkptInitInfo)]
+            self._refused = InvalidArgumentError(f"ckpt weight-transfer init_info: {exc} (its fields: {fields})")
+            return CkptInitInfo()
+
+    def init_transfer_engine(self, init_info: CkptInitInfo) -> None:
+        try:
+            if self._refused is not None:
+                raise self._refused
+            init_info.check()
+            rollout_world_size = init_info.rollout_world_size or self.engine_workers
             if init_info.metadata is not None:
                 if self.engine is None or self.prepared != init_info.engine_options():
                     raise LifecycleError(

@@ -99,9 +99,10 @@ def trainer_pool(model_dir: Path, backend: str, **engine_kwargs: Any) -> LocalPr
 
 
 def sized_trainer_pool(
-    model_dir: Path, backend: str, bucket_size: int, engine_kwargs: dict[str, Any]
+    model_dir: Path, backend: str, bucket_size: int, engine_kwargs: dict[str, Any], *, ranks: int = 1
 ) -> LocalProcessPool:
-    """:func:`trainer_pool` with buckets of ``bucket_size`` bytes."""
+    """:func:`trainer_pool` with buckets of ``bucket_size`` bytes, and ``ranks`` trainers (each
+    one policy rank; the same seed, so the same W)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     spec = {
         "service": "tiny_trainer:TinyTrainer",
@@ -110,7 +111,9 @@ def sized_trainer_pool(
         "bucket_size": bucket_size,
         "engine_kwargs": engine_kwargs,
     }
-    return LocalProcessPool([spec], labels=["trainer"], env=env, preload=[QWEN2_MODULE])
+    labels = ["trainer"] if ranks == 1 else [f"trainer {rank}" for rank in range(ranks)]
+    specs = [{**spec, "rank": rank} for rank in range(ranks)]
+    return LocalProcessPool(specs, labels=labels, env=env, preload=[QWEN2_MODULE])
 
 
 @pytest.fixture(scope="session", autouse=True)

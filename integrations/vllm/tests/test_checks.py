@@ -173,5 +173,5 @@ def test_a_bad_argument_is_refused_before_the_engine_is_called(
 
 
 def test_an_llm_without_collective_rpc_is_refused() -> None:
-    with pytest.raises(InvalidArgumentError, match="llm must be a vllm.LLM built with worker_extension_cls"):
+    with pytest.raises(InvalidArgumentError, match=r"llm must be a vllm.LLM built with \*\*VLLM_ENGINE_ARGS"):
         VllmRollout(object(), **GOOD)

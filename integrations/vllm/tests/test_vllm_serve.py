@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 import requests
-from conftest import PROMPTS, REFITS, trainer_pool
+from conftest import PROMPTS, REFITS, sized_trainer_pool, trainer_pool
 
 CALL_TIMEOUT_S = 120.0
 START_TIMEOUT_S = 240.0
@@ -356,3 +356,28 @@ class TestServeTensorParallel1(RefitsOfVllmServe):
 class TestServeTensorParallel2(RefitsOfVllmServe):
     TP = 2
     CASES = ["gloo_cpu", "cuda_ipc", "gloo_cpu-sharded"]
+
+    def test_two_trainer_ranks_each_feed_one_server_worker(
+        self, tp: int, checkpoints: dict[str, Any], server_and_references: tuple[str, Any]
+    ) -> None:
+        """Two trainer processes, each a policy rank with its own engine (topology paired:
+        trainer rank i sends to worker i), meeting at rank 0's rendezvous; rank 0 alone calls
+        the server. Three refits token-equal, the version rank 0 gave."""
+        url, references = server_and_references
+        port = free_port()
+        with sized_trainer_pool(checkpoints["start"], "gloo_cpu", 1 << 20, {"topology": "paired"}, ranks=2) as trainers:
+            both = {"url": url, "rollout_world_size": tp, "world_size": 2, "rendezvous_port": port}
+            connected = trainers.call([(rank, "connect_vllm", both) for rank in range(2)], CALL_TIMEOUT_S)
+            assert all(c.ok for c in connected), [c.describe() for c in connected]
+            for k in range(REFITS):
+                trained = trainers.call([(rank, "train", {"steps": 1}) for rank in range(2)], CALL_TIMEOUT_S)
+                assert all(t.ok for t in trained)
+                post(url, "pause")
+                try:
+                    version = {"weight_version": f"paired-{k + 1}"}
+                    sent = trainers.call([(rank, "send_vllm", version) for rank in range(2)], CALL_TIMEOUT_S)
+                finally:
+                    post(url, "resume")
+                assert all(s.ok for s in sent), [s.describe() for s in sent]
+                assert completions(url) == references[k], f"tokens differ after refit {k + 1}"
+                assert weight_version(url) == f"paired-{k + 1}"

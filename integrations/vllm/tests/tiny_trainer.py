@@ -135,9 +135,12 @@ class TinyTrainer:
         rollout_world_size: int,
         engine_kwargs: dict[str, Any] | None = None,
         timeout_s: float = 120.0,
+        world_size: int = 1,
+        rendezvous_port: int = 0,
     ) -> None:
         """Connect to the vLLM server at ``url`` as vLLM's RL tooling does: its factory and HTTP
-        client, with ckpt-engine's trainer init info (this trainer's backend and bucket size)."""
+        client, with ckpt-engine's trainer init info (this trainer's backend, bucket size and
+        rank, of ``world_size`` trainer ranks meeting at rank 0's ``rendezvous_port``)."""
         from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
 
         from ckpt_vllm.trainer import CkptTrainerInitInfo
@@ -151,6 +154,8 @@ class TinyTrainer:
             rollout_world_size=rollout_world_size,
             engine_kwargs=dict(self.engine_kwargs if engine_kwargs is None else engine_kwargs),
             timeout_s=timeout_s,
+            world_size=world_size,
+            rendezvous_port=rendezvous_port,
         )
         client = HTTPVLLMWeightSyncClient(url, timeout=timeout_s + 60)
         self.vllm_engine = WeightTransferTrainerFactory.trainer_init(info, client=client)
