@@ -20,13 +20,14 @@ lock:
 ## The whole test suite (what CI runs), with its 25 slowest steps listed. GPU tests skip
 ## without CUDA. Test modules run side by side in TEST_WORKERS processes (pytest-xdist; a
 ## module's tests stay in one process, sharing its fixtures), then the tests marked `alone`
-## (latency bounds, which need the machine to themselves) run by themselves. A third worker
-## gained within the machine's noise on 2 cores (pytest 560 s against 587 s) for a third vLLM
-## engine running at once.
+## (latency bounds, which need the machine to themselves) run by themselves. Three workers on
+## 2 cores: the vLLM tests wait much of their time (servers starting, peers, deadlines), and
+## with the vllm serve tests pytest took 809 s against 987 s with two (one machine, one after
+## the other; with 2 the cores were busy 58% of the time).
 ## Scopes go out in collection order (--no-loadscope-reorder; xdist's default sends the
 ## scopes with most tests first), which puts vLLM's minutes-long ones first: see
 ## integrations/vllm/tests/conftest.py. Left last, they ran alone for two minutes.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "not alone" --durations=25
 	$(BIN)/python -m pytest -m alone --durations=5

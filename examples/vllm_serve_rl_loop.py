@@ -2,10 +2,12 @@
 own weight-transfer API, choosing a ckpt-engine transport by name.
 
     python examples/vllm_serve_rl_loop.py [--transport gloo_cpu|cuda_ipc] [--steps 3] [--tp 1]
+                                          [--url http://127.0.0.1:8000]
 
 This script is the trainer: it starts ``vllm serve`` (the CPU build works) as a subprocess on
 loopback with ``--weight-transfer-config '{"backend": "ckpt"}'`` and ``VLLM_SERVER_DEV_MODE=1``
-(which mounts vLLM's RL routes), trains a tiny random Qwen2 with real AdamW steps, and after each
+(which mounts vLLM's RL routes), or refits the one already serving at ``--url`` (a model of
+the same shapes, started so), trains a tiny random Qwen2 with real AdamW steps, and after each
 step pauses the server, sends its weights (cast to bf16) through vLLM's
 ``WeightTransferTrainerFactory`` and ``HTTPVLLMWeightSyncClient``, and resumes it. Generation
 goes through the OpenAI-compatible ``/v1/completions`` route. At the end a fresh server loads
@@ -103,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transport", default="gloo_cpu", help="any installed ckpt-core backend (ckpt-engine list)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--url", help="refit this running server instead of starting one")
     args = parser.parse_args(argv)
+    # A SIGTERM ends the script through its finally blocks, so the servers it started stop too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     import transformers
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
@@ -120,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         num_attention_heads=4,  # head_dim 64: vLLM's CPU attention refuses 16
         num_key_value_heads=2,
         vocab_size=512,
+        max_position_embeddings=256,
     )
     transformers.Qwen2ForCausalLM(config).bfloat16().save_pretrained(start)
     model = transformers.Qwen2ForCausalLM.from_pretrained(start, torch_dtype=torch.float32)
@@ -130,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             yield name, tensor.detach().to(torch.bfloat16)
 
     engine_kwargs = {"device": "cpu"} if args.transport == "cuda_ipc" else {}
-    with vllm_serve(start, args.tp, os.path.join(workdir, "serve.log")) as url:
+    serving = contextlib.nullcontext(args.url) if args.url else vllm_serve(start, args.tp, f"{workdir}/serve.log")
+    with serving as url:
         info = CkptTrainerInitInfo(
             rank=0,
             transport=args.transport,

@@ -161,9 +161,9 @@ def tp(request: pytest.FixtureRequest) -> int:
 def engine_and_references(tp: int, checkpoints: dict[str, Any]) -> Iterator[tuple[Any, list[list[list[int]]]]]:
     """One engine with the worker extension per tensor-parallel size, and the tokens every
     refit must reproduce: for W1, what the engine generates right after start-up from W1 on
-    disk (a fresh engine); for each later W_k, after vLLM's own reload of it. Then vLLM
-    reloads the start-up model, so the first refit must change every weight; the class's
-    tests refit it in turn."""
+    disk (a fresh engine); for each later W_k, after vLLM's own reload of it. The engine is
+    left at the last W, so the first refit (W1) must change every weight and the tokens; the
+    class's tests refit it in turn."""
     from ckpt_vllm import VLLM_ENGINE_ARGS
 
     first, *later = checkpoints["weights"]
@@ -172,9 +172,7 @@ def engine_and_references(tp: int, checkpoints: dict[str, Any]) -> Iterator[tupl
         for path in later:
             reload_from_disk(llm, path)
             references.append(greedy_tokens(llm.generate))
-        reload_from_disk(llm, checkpoints["start"])
-        assert references[0] != references[1], "the optimizer steps did not change the tokens"
-        assert greedy_tokens(llm.generate) != references[0], "the start-up model generates what W1 does"
+        assert len({str(tokens) for tokens in references}) == len(references), "a step did not change the tokens"
         yield llm, references
 
 
