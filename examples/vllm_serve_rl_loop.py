@@ -21,8 +21,6 @@ import argparse
 import contextlib
 import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,54 +35,22 @@ START_TIMEOUT_S = 300.0
 CALL_TIMEOUT_S = 300.0
 
 
-@contextlib.contextmanager
-def vllm_serve(model: str, tp: int, log_path: str) -> Iterator[str]:
-    """``vllm serve model`` on a free loopback port; its URL once ``/health`` answers."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU build reads these two
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind" if tp == 1 else "|".join(map(str, range(tp))))
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
-        "--tensor-parallel-size", str(tp), "--dtype", "bfloat16", "--enforce-eager",
-        "--skip-tokenizer-init", "--max-model-len", "128", "--seed", "0",
-        "--weight-transfer-config", '{"backend": "ckpt"}',
+def vllm_serve(model: str, tp: int, log_path: str) -> contextlib.AbstractContextManager[str]:
+    """``vllm serve model`` on a free loopback port, the ckpt backend selected; its URL once
+    ``/health`` answers (ckpt-vllm's launcher: :mod:`ckpt_vllm.serve`)."""
+    from ckpt_vllm.serve import local_vllm_serve
+
+    env = {  # vLLM's CPU build reads these two
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),  # GiB
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
+            "VLLM_CPU_OMP_THREADS_BIND", "nobind" if tp == 1 else "|".join(map(str, range(tp)))
+        ),
+    }
+    args = [
+        "--served-model-name", "tiny", "--dtype", "bfloat16", "--enforce-eager", "--skip-tokenizer-init",
+        "--max-model-len", "128", "--seed", "0",
     ]  # fmt: skip
-    # `vllm serve`'s own server; the `vllm` command of the CPU build (0.32) fails before it starts
-    # (it asks for the version of a distribution named vllm, and this one is vllm-cpu).
-    with open(log_path, "wb") as log:
-        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _healthy(url):
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve did not start; its log ({log_path}) ends:\n{_tail(log_path)}")
-            time.sleep(0.5)
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, signal.SIGINT)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(30)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return requests.get(f"{url}/health", timeout=5).status_code == 200
-    except requests.RequestException:
-        return False
-
-
-def _tail(path: str) -> str:
-    with open(path, errors="replace") as log:
-        return log.read()[-3000:]
+    return local_vllm_serve(model, log_path=log_path, tp=tp, args=args, env=env, start_timeout_s=START_TIMEOUT_S)
 
 
 def post(url: str, route: str, **body: Any) -> Any:

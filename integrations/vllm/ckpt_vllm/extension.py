@@ -24,7 +24,8 @@ from typing import Any
 
 from ckpt_core.errors import LifecycleError
 from ckpt_core.orchestration.protocol import error_reply
-from ckpt_vllm.transfer import BACKEND_NAME, CkptWeightTransferEngine
+from ckpt_vllm.plugin import BACKEND_NAME
+from ckpt_vllm.transfer import CkptWeightTransferEngine
 
 
 def _replying(method: Callable[..., Any]) -> Callable[..., dict[str, Any]]:

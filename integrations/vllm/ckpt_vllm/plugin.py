@@ -9,7 +9,9 @@ when, ``"ckpt"`` is selected (:mod:`ckpt_vllm.transfer` fails to import, naming 
 
 from __future__ import annotations
 
-BACKEND_NAME = "ckpt"  # ckpt_vllm.transfer.BACKEND_NAME, spelt here so registering imports nothing
+BACKEND_NAME = "ckpt"
+"""The name vLLM's ``weight_transfer_config`` selects ckpt-vllm's backend by (its one home:
+registering must import nothing of ckpt-core)."""
 
 
 def register() -> None:

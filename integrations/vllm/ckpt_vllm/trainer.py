@@ -43,8 +43,7 @@ from ckpt_core.errors import InvalidArgumentError, LifecycleError, RemoteRefitEr
 from ckpt_core.options import MAX_TIMEOUT_S, check_bucket_size, check_count, check_kwargs_shape, check_positive_number
 from ckpt_core.orchestration.rendezvous import MetadataRendezvous, exchange_metadata
 from ckpt_core.registry import create_checkpoint_engine
-from ckpt_vllm.plugin import register
-from ckpt_vllm.transfer import BACKEND_NAME
+from ckpt_vllm.plugin import BACKEND_NAME, register
 
 Weights = Iterable[tuple[str, torch.Tensor]]
 

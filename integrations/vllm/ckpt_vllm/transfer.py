@@ -72,9 +72,6 @@ from ckpt_vllm.rss import (
     rss_bytes,
 )
 
-BACKEND_NAME = "ckpt"
-"""The name vLLM's ``weight_transfer_config`` selects this backend by."""
-
 
 @dataclasses.dataclass
 class CkptInitInfo(WeightTransferInitInfo):
