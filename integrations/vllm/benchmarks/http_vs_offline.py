@@ -262,9 +262,9 @@ def run_backend(
     tokens = {"http": server.tokens, "offline": lambda: offline_tokens(llm)}
 
     def memory_load(version: str, row: dict[str, Any]) -> float:
-        seconds = timed(
-            lambda: row.update(memory_load_worker_s=llm.collective_rpc("load_held_weights", args=(version,))[0])
-        )
+        in_worker: list[float] = []
+        seconds = timed(lambda: in_worker.extend(llm.collective_rpc("load_held_weights", args=(version,))))
+        row.update(memory_load_worker_s=in_worker[0])
         return seconds
 
     def offline_refit(version: str, row: dict[str, Any]) -> float:
