@@ -54,7 +54,7 @@ MAX_TOKENS = 8
 VERSIONS = ("A", "B")
 HTTP_GOAL, MEMORY_GOAL = 1.2, 1.3
 CALL_TIMEOUT_S = 300.0
-IDLE_S = 1.0
+IDLE_S = 1.5
 
 _HELD: dict[str, list[tuple[str, torch.Tensor]]] = {}  # in the offline engine's worker
 

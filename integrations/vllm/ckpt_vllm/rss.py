@@ -41,9 +41,9 @@ def release_free_heap() -> bool:
     """Hand freed heap memory back to the kernel (glibc's ``malloc_trim``); False elsewhere.
 
     A refit allocates and frees a model's worth of tensors (vLLM's layerwise reload
-    materializes each layer anew); glibc keeps freed chunks mapped, so without this the
-    worker's RSS climbs for several refits before it levels off (measured: about 290 MiB over
-    its resident model for a 124 MB model)."""
+    materializes each layer anew) and glibc keeps freed chunks mapped. Handing them back costs
+    the page faults of mapping them again at their next use, so :class:`HeapGuard` does it
+    only past a budget."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:

@@ -16,7 +16,7 @@ Every trainer rank is a policy rank of ckpt-core's lifecycle (its own engine, se
 weights in the transport's topology); rank 0 serves the metadata rendezvous and alone drives
 the server's calls (``is_sender``). ``trainer_init`` runs the server's
 ``init_weight_transfer_engine`` beside its own init (both sides of the transport's rendezvous
-must run at once); ``send_weights`` runs ``start_weight_update``, then the server's
+must run at once); ``send_weights`` runs the server's ``start_weight_update`` and then its
 ``update_weights`` beside its own send, then ``finish_weight_update(weight_version)``. A
 failure of either side ends the other at once (a refused update cancels the send; a lost
 receiver fails it), and the error says what the server answered.
@@ -189,10 +189,11 @@ class CkptTrainerWeightTransferEngine(TrainerWeightTransferEngine[CkptTrainerIni
                 raise InvalidArgumentError("send_weights: no weights given and no source at trainer_init")
             weights = self.source
         try:
-            if self.is_sender:
-                self.client.start_weight_update()
+            # The server's start and update run beside the send from its first byte: a
+            # transport's first bucket travels while vLLM's calls reach the workers (what
+            # arrives early waits for the receive, as every other trainer rank's send does).
             with _ServerCall(
-                self.client.update_weights if self.is_sender else None, {}, what="update_weights"
+                self._start_and_update if self.is_sender else None, {}, what="start_weight_update/update_weights"
             ) as server:
                 asyncio.run(_send_unless(engine.send_weights(pair for pair in weights), server))
                 server.result(info.timeout_s)
@@ -204,6 +205,10 @@ class CkptTrainerWeightTransferEngine(TrainerWeightTransferEngine[CkptTrainerIni
             if self.is_sender:
                 self._close_update()
             raise
+
+    def _start_and_update(self, update_info: dict[str, Any]) -> None:
+        self.client.start_weight_update()
+        self.client.update_weights(update_info)
 
     def _close_update(self) -> None:
         """Close the server's update after a failed one. Only its last worker raised (see
