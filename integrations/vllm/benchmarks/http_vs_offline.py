@@ -21,8 +21,8 @@ A and B, ready in memory (bf16), alternate so every refit changes the model. For
 Every refit and load is followed by greedy tokens, which must equal that engine's own reload of
 the version from disk (an error otherwise). Writes ``http_vs_offline.json`` and ``.md`` into
 ``--out``; exits 1 unless the goals hold: HTTP within 1.2x of offline, each refit within 1.3x
-of the memory load. Each timed call starts after a second with both engines idle (vLLM's CPU
-workers spin a while after their last step, and both share a core here).
+of the memory load. Each timed call starts after 1.5 s with both engines idle (vLLM's
+processes spin for a second after each call, and both engines share a core here).
 """
 
 from __future__ import annotations
@@ -164,9 +164,10 @@ def offline_tokens(llm: Any) -> list[list[int]]:
 
 
 def timed(call: Callable[[], Any]) -> float:
-    # Both engines idle first: vLLM's CPU workers spin a while after their last step (OpenMP),
-    # and both share a core here (measured: the first call into one engine right after the
-    # other generated took about 0.9 s longer).
+    # Both engines idle first: both share a core here, and after each call vLLM's processes
+    # spin for a while (a worker polls its RPC queue for 1 s after each read, shm_broadcast's
+    # busy_loop_s; OpenMP threads spin after a step). Measured: the first call into one engine
+    # right after the other generated took about 0.9 s longer.
     time.sleep(IDLE_S)
     start = time.perf_counter()
     call()

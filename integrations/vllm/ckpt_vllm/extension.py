@@ -69,7 +69,8 @@ class CkptEngineWorkerExtension:
     @_replying
     def ckpt_engine_report(self) -> dict[str, Any] | None:
         """The report of the last refit this rank loaded (``None`` before any): tensors, bytes,
-        the engine's statistics, digests (with ``verify``), bytes cloned while borrowing, memory."""
+        the engine's statistics, digests (with ``verify``), bytes cloned while borrowing, seconds waiting
+        for batches, memory (RSS before, peak, heap trims)."""
         return self._ckpt_transfer().last_report
 
     @_replying
