@@ -37,7 +37,14 @@ class Flavoured(InProcessEngine):
 
 def test_subclasses_inherit_extend_and_narrow_the_schema() -> None:
     base = BucketedEngine.options.names()
-    assert base == ["timeout_s", "checksum", "release_after_refit", "shard_expert_weights", "borrow_received_tensors"]
+    assert base == [
+        "timeout_s",
+        "checksum",
+        "release_after_refit",
+        "shard_expert_weights",
+        "quantize_for_rollout",
+        "borrow_received_tensors",
+    ]
     assert DistributedEngine.options.names() == [*base, "topology", "host", "auth_token"]
     assert GlooCpuCheckpointEngine.options.names() == [*base, "topology", "host", "auth_token", "device"]
     assert NcclCheckpointEngine.options["topology"].choices == ("broadcast", "paired")
@@ -151,6 +158,7 @@ def test_agreed_settings_are_the_schemas_agreed_options() -> None:
         "bucket_size": 64,
         "checksum": False,
         "shard_expert_weights": False,
+        "quantize_for_rollout": False,
         "flavour": "spicy",
     }
     gloo = GlooCpuCheckpointEngine(bucket_size=64, topology="fanout")

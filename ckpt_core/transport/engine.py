@@ -47,6 +47,7 @@ from ckpt_core.errors import (
 from ckpt_core.hooks import RefitNotifier
 from ckpt_core.layout import LayoutSelector, WeightLayout, check_layouts, is_ckpt_layout, select_weights
 from ckpt_core.options import MAX_TIMEOUT_S, REQUIRED, Option, OptionSchema, OptionValues
+from ckpt_core.quantize import QuantizationSpec, quantize_weights
 from ckpt_core.stats import RefitStats, Role
 from ckpt_core.topology import Topology
 from ckpt_core.transport._refit_thread import RefitThread
@@ -94,8 +95,14 @@ class BucketedEngine(CheckpointEngine):
       rank's layout is checked at init (bounds, overlaps, one model, nothing lost), the caller
       sends full weights, and each destination receives only the parts its layout keeps.
 
-    And one of this library's, for rollout workers:
+    And two of this library's:
 
+    * ``quantize_for_rollout`` (default off): on a policy worker, each weight the destination
+      names in its ``"weight_quantization"`` (:mod:`ckpt_core.quantize`; a rollout that serves
+      FP8 publishes it in its ``prepare()`` metadata) is cast to the rollout's dtype and sent as
+      FP8 bytes followed by its scale, made with the rollout's own arithmetic
+      (:mod:`ckpt_core.fp8`), before layouts select (a layout then names the scales too). Every
+      destination of one policy rank must hold the same quantization.
     * ``borrow_received_tensors`` (default off): a tensor that arrived whole inside one bucket
       is handed out as a view of the transport's bucket buffer instead of a copy (tensors that
       spanned buckets or move to ``merge_device`` stay copies; the rollout says in its
@@ -157,6 +164,13 @@ class BucketedEngine(CheckpointEngine):
             agreed=True,
         ),
         Option.flag(
+            "quantize_for_rollout",
+            False,
+            "policy side: each weight the rollout's 'weight_quantization' names is sent as FP8 bytes "
+            "and scales made with the rollout's own arithmetic (ckpt_core.quantize)",
+            agreed=True,
+        ),
+        Option.flag(
             "borrow_received_tensors",
             False,
             "rollout side: whole tensors arrive as views of the bucket buffer (no copy), valid "
@@ -201,6 +215,9 @@ class BucketedEngine(CheckpointEngine):
         self.release_after_refit: bool = values.release_after_refit
         self.shard_expert_weights: bool = values.shard_expert_weights
         self.borrow_received_tensors: bool = values.borrow_received_tensors
+        self.quantize_for_rollout: bool = values.quantize_for_rollout
+        # With quantize_for_rollout: what the destinations hold quantized, and how messages name them.
+        self._quantization: tuple[QuantizationSpec, str] | None = None
         self._target_layout: dict[str, Any] | None = None
         self._send_direct = True  # False once a rollout this policy serves borrows (init)
         # With ckpt-engine layouts: destination rollout rank -> (its layout, how messages name it).
@@ -314,6 +331,7 @@ class BucketedEngine(CheckpointEngine):
         self._require(_State.PREPARED, "init_policy_process_group()")
         checked = self._check_metadata(worker_rank, worker_rank, train_world_size, rollout_world_size, metadata)
         layout = self._destination_layout(worker_rank, train_world_size, rollout_world_size, checked)
+        self._quantization = self._destination_quantization(worker_rank, train_world_size, rollout_world_size, checked)
         self._sender = self._connect_policy(worker_rank, train_world_size, rollout_world_size, checked)
         self._target_layout = layout
         # A rollout that borrows can lend only bytes that arrived in its buffers: a direct
@@ -343,6 +361,7 @@ class BucketedEngine(CheckpointEngine):
             self._busy = False
             self._target_layout = None
             self._selection = {}
+            self._quantization = None
             self._generation += 1
             if self.release_after_refit:
                 self._release_cached_memory()
@@ -416,6 +435,36 @@ class BucketedEngine(CheckpointEngine):
         if differ:  # several destinations, each with its own layout
             return {str(rank): layout for rank, layout in zip(destinations, layouts)}
         return layouts[0] if layouts else None
+
+    def _destination_quantization(
+        self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> tuple[QuantizationSpec, str] | None:
+        """With ``quantize_for_rollout``: the ``"weight_quantization"`` of the rollout ranks this
+        policy rank sends to, which must be one (the weights are quantized once, before any
+        stream of its own), checked before connecting."""
+        if not self.quantize_for_rollout:
+            return None
+        owner = type(self).__name__
+        destinations = self._destinations(worker_rank, train_world_size, rollout_world_size)
+        if not destinations:
+            return None
+        specs = []
+        for rank in destinations:
+            spec = metadata[train_world_size + rank].get("weight_quantization")
+            if spec is None:
+                raise InvalidArgumentError(
+                    f"{owner}: quantize_for_rollout=True, but rollout rank {rank}'s prepare() metadata has no "
+                    "'weight_quantization' (ckpt_core.quantize): a rollout that holds weights quantized adds it; "
+                    "for one that does not, turn quantize_for_rollout off on every worker"
+                )
+            specs.append(QuantizationSpec.from_json(spec, owner=f"{owner}: rollout rank {rank}'s weight_quantization"))
+        if any(spec != specs[0] for spec in specs[1:]):
+            raise EngineOptionError(
+                f"{owner}: policy rank {worker_rank} quantizes its weights once for rollout ranks {destinations}, "
+                "but their weight quantizations differ: serve them from policy ranks of their own"
+            )
+        label = f"rollout rank {destinations[0]}" if len(destinations) == 1 else f"rollout ranks {destinations}"
+        return specs[0], label
 
     def _checked_layouts(
         self, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
@@ -518,6 +567,9 @@ class BucketedEngine(CheckpointEngine):
             }
             context = notifier.context(self._refit_index)
             self.last_stats_by_destination = {}
+            if self._quantization is not None:  # before layouts select: scales follow their weights
+                spec, label = self._quantization
+                weights = quantize_weights(weights, spec, destination=label)
             runner = self._refit_thread("policy")
             try:
                 try:

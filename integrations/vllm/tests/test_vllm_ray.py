@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 
 BUCKET = 1 << 20
 CALL_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 240.0
 
 
 def weights_on_disk(path: Path) -> list[tuple[str, Any]]:
@@ -49,10 +50,16 @@ def llm_actor(checkpoints: dict[str, Any]) -> Iterator[tuple[Any, list[list[list
     from vllm import LLM
 
     first, *later = checkpoints["weights"]
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    # The engine runs inside the actor's process (no engine-core or worker process of its
+    # own, as Ray-based RL frameworks often run it): two fewer start-ups of vLLM, which under
+    # CI's load took minutes.
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     try:
-        actor = ray.remote(num_cpus=0)(LLM).remote(**engine_args(first, 1), weight_transfer_config={"backend": "ckpt"})
+        actor = ray.remote(num_cpus=0)(LLM).remote(
+            **engine_args(first, 1), weight_transfer_config={"backend": "ckpt"}, distributed_executor_backend="uni"
+        )
+        ray.get(actor.__ray_ready__.remote(), timeout=START_TIMEOUT_S)
         references = [actor_tokens(actor)]
         for path in later:
             kwargs = {"weights_path": str(path), "is_checkpoint_format": True}
