@@ -63,6 +63,7 @@ from ckpt_core.registry import create_checkpoint_engine, resolve_backend
 from ckpt_vllm.errors import WorkersFailedError
 from ckpt_vllm.layout import checkpoint_parameter_bytes, derive_weight_layout, full_weight
 from ckpt_vllm.loading import LayerwiseLoad, own_pending_weights
+from ckpt_vllm.quantization import derive_weight_quantization
 from ckpt_vllm.rss import (
     GROWTH_ALLOWANCE_BYTES,
     HeapGuard,
@@ -185,7 +186,8 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
         """Build a fresh engine from ``info`` (an old one is finalized) and return its
         ``prepare()`` metadata, with this worker's rollout ``rank`` (as NeMo RL's vLLM workers
         add it) and, with ``shard_expert_weights``, the ``weight_layout`` derived from the live
-        model. A backend with the option ``borrow_received_tensors`` gets it on unless
+        model; with ``quantize_for_rollout``, the ``weight_quantization`` it holds (an FP8
+        model: :mod:`ckpt_vllm.quantization`). A backend with the option ``borrow_received_tensors`` gets it on unless
         ``engine_kwargs`` says otherwise: batches then go into vLLM as views of the transport's
         buffers, and only what vLLM keeps past a batch is copied (``own_pending_weights``)."""
         info.check_engine_options()
@@ -204,6 +206,16 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
             if kwargs.get("shard_expert_weights"):
                 self.layout = derive_weight_layout(self.model)
                 metadata["weight_layout"] = self.layout.to_json()
+            if kwargs.get("quantize_for_rollout"):
+                spec = derive_weight_quantization(
+                    self.layout or derive_weight_layout(self.model), self.vllm_config.model_config.dtype
+                )
+                if spec is None:
+                    raise InvalidArgumentError(
+                        "quantize_for_rollout=True, but this vLLM model holds no FP8 weights (no weight_scale or "
+                        "weight_scale_inv beside its weights): serve an FP8 checkpoint, or turn the option off"
+                    )
+                metadata["weight_quantization"] = spec.to_json()
         self.prepared = info.engine_options()
         return metadata
 

@@ -1,0 +1,58 @@
+"""What a vLLM worker holds quantized, derived from its live model, as the
+``"weight_quantization"`` of its ``prepare()`` metadata (:mod:`ckpt_core.quantize`): a trainer
+engine with ``quantize_for_rollout`` then sends those weights as FP8 bytes and scales made with
+vLLM's own arithmetic, which vLLM's loader takes as it takes an FP8 checkpoint.
+
+The checkpoint-format parameters vLLM recorded at load (the ones :func:`derive_weight_layout`
+lists) say it: a module's ``weight`` with a ``weight_scale`` of one value per row is per-channel
+FP8 (compressed-tensors checkpoints), with one value in all per-tensor, and with a
+``weight_scale_inv`` 128x128 blocks. A model whose weights are not FP8 holds nothing quantized.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ckpt_core.fp8 import BLOCK_SHAPE, Fp8Format
+from ckpt_core.layout import WeightLayout
+from ckpt_core.quantize import QuantizationSpec
+from ckpt_vllm.errors import RolloutLoadError
+
+
+def derive_weight_quantization(layout: WeightLayout, dtype: torch.dtype) -> QuantizationSpec | None:
+    """The spec of a model whose checkpoint weights ``layout`` lists (every weight, with its
+    full shape), held in ``dtype``; ``None`` when it holds no weight quantized. A model mixing
+    formats is refused (one spec has one format)."""
+    formats: dict[str, Fp8Format] = {}
+    for name, kept in layout.weights.items():
+        if not name.endswith(".weight"):
+            continue
+        rows_cols = tuple(kept.shape)
+        scale = layout.weights.get(f"{name}_scale")
+        block_scale = layout.weights.get(f"{name}_scale_inv")
+        if block_scale is not None and len(rows_cols) == 2:
+            expected = tuple(math.ceil(size / block) for size, block in zip(rows_cols, BLOCK_SHAPE))
+            if tuple(block_scale.shape) != expected:
+                raise RolloutLoadError(
+                    f"{name}: its weight_scale_inv has shape {list(block_scale.shape)}, not the {list(expected)} "
+                    f"of 128x128 blocks over {list(rows_cols)}: a block size ckpt-engine does not quantize for"
+                )
+            formats[name] = Fp8Format.BLOCK
+        elif scale is not None and len(rows_cols) == 2:
+            if math.prod(scale.shape) == 1:
+                formats[name] = Fp8Format.PER_TENSOR
+            elif tuple(scale.shape) == (rows_cols[0], 1):
+                formats[name] = Fp8Format.PER_CHANNEL
+            else:
+                raise RolloutLoadError(
+                    f"{name}: its weight_scale has shape {list(scale.shape)}, neither one value nor one per row of "
+                    f"{list(rows_cols)}: a scheme ckpt-engine does not quantize for"
+                )
+    if not formats:
+        return None
+    kinds = sorted({fmt.value for fmt in formats.values()})
+    if len(kinds) > 1:
+        raise RolloutLoadError(f"the model holds weights in more than one FP8 format ({kinds}): one is supported")
+    return QuantizationSpec(dtype=dtype, fmt=next(iter(formats.values())), weights=frozenset(formats))
