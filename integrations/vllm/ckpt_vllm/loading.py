@@ -87,6 +87,7 @@ class LayerwiseLoad:
         self.nbytes = 0
         self._seen: set[str] = set()
         self._loaded: set[str] = set()
+        self._restored: set[str] = set()
         self._reports_loaded = True  # every load so far said which parameters it filled
         self._open = False
 
@@ -96,6 +97,9 @@ class LayerwiseLoad:
 
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(self.model)
+        # The parameters a refit must bring are those of the checkpoint format vLLM restored
+        # for the reload that the model still has once processed (see finish()).
+        self._restored = {name for name, _ in self.model.named_parameters()}
         self._open = True
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
@@ -146,7 +150,10 @@ class LayerwiseLoad:
             finally:
                 self._open = False
         if self._reports_loaded:
-            expected = {name for name, _ in self.model.named_parameters()}
+            # Not what post-load processing makes (the scales of an online-quantized layer),
+            # nor what it drops (an FP8 model's attention kv-cache scales, which the checkpoint
+            # need not have: vLLM then keeps their defaults).
+            expected = self._restored & {name for name, _ in self.model.named_parameters()}
             missing = sorted(expected - self._loaded)
             if missing:
                 shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
