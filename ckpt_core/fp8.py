@@ -45,7 +45,7 @@ _CHUNK_ELEMENTS = 16 << 20
 
 
 class QuantizationError(InvalidArgumentError):
-    """A weight cannot be quantized: not finite, not 2-D, or of a dtype the engine would not
+    """A weight cannot be quantized: not finite, not 2-D (or empty), or of a dtype the engine would not
     quantize. The message names the weight."""
 
 
@@ -100,8 +100,10 @@ def _check(name: str, weight: torch.Tensor) -> None:
         raise QuantizationError(f"{name}: expected a torch.Tensor, got {type(weight).__name__}")
     if weight.dtype not in _INPUT_DTYPES:
         raise QuantizationError(f"{name}: quantizes bfloat16, float16 or float32 weights, got {weight.dtype}")
-    if weight.dim() != 2:
-        raise QuantizationError(f"{name}: quantizes 2-D weights ([rows, cols]), got shape {list(weight.shape)}")
+    if weight.dim() != 2 or weight.numel() == 0:
+        raise QuantizationError(
+            f"{name}: quantizes 2-D weights ([rows, cols]) with elements, got shape {list(weight.shape)}"
+        )
 
 
 def _require_finite(name: str, weight: torch.Tensor, amax: torch.Tensor) -> None:

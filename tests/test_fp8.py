@@ -132,6 +132,7 @@ def test_non_finite_weights_are_refused_by_name(bad: float) -> None:
     [
         (torch.ones(4, dtype=torch.bfloat16), "2-D"),
         (torch.ones(2, 3, 4, dtype=torch.bfloat16), "2-D"),
+        (torch.ones(5, 0, dtype=torch.bfloat16), "with elements, got shape \\[5, 0\\]"),
         (torch.ones(2, 2, dtype=torch.int32), "bfloat16, float16 or float32"),
         (torch.ones(2, 2, dtype=torch.float8_e4m3fn), "bfloat16, float16 or float32"),
         ([[1.0]], "torch.Tensor"),
