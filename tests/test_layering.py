@@ -96,8 +96,9 @@ def test_nothing_in_the_library_imports_the_seed_module() -> None:
 
 INTEGRATION_SOURCES = [REPO / "integrations" / "vllm" / "ckpt_vllm"]
 # What an integration may import from the core: the consumer's contract, the registry,
-# errors, option checks, statistics, host memory release, destination layouts and the
-# orchestration layer; never the internals or a transport's stack.
+# errors, option checks, statistics, host memory release, destination layouts, FP8 formats
+# and the rollout's quantization (quantize-on-send), and the orchestration layer; never the
+# internals or a transport's stack.
 INTEGRATION_API = (
     "ckpt_core.contract",
     "ckpt_core.registry",
@@ -106,6 +107,8 @@ INTEGRATION_API = (
     "ckpt_core.stats",
     "ckpt_core.host_pool",
     "ckpt_core.layout",
+    "ckpt_core.fp8",
+    "ckpt_core.quantize",
     "ckpt_core.orchestration",
 )
 
