@@ -175,3 +175,59 @@ def test_a_bad_argument_is_refused_before_the_engine_is_called(
 def test_an_llm_without_collective_rpc_is_refused() -> None:
     with pytest.raises(InvalidArgumentError, match=r"llm must be a vllm.LLM built with \*\*VLLM_ENGINE_ARGS"):
         VllmRollout(object(), **GOOD)
+
+
+# --- the weight quantization a worker publishes --------------------------------------------
+
+
+def fp8_layout(scales: dict[str, tuple[int, ...]]) -> WeightLayout:
+    """A model's checkpoint weights as its layout lists them: two projections, a norm, the
+    head, and the given scales."""
+    shapes: dict[str, tuple[int, ...]] = {
+        "layers.0.q_proj.weight": (256, 200),
+        "layers.0.down_proj.weight": (200, 512),
+        "layers.0.norm.weight": (200,),
+        "lm_head.weight": (1000, 200),
+        **scales,
+    }
+    return WeightLayout({name: whole(shape) for name, shape in shapes.items()})
+
+
+@pytest.mark.parametrize(
+    ("scales", "fmt"),
+    [
+        ({"layers.0.q_proj.weight_scale": (256, 1), "layers.0.down_proj.weight_scale": (200, 1)}, "per_channel"),
+        ({"layers.0.q_proj.weight_scale": (1,), "layers.0.down_proj.weight_scale": ()}, "per_tensor"),
+        ({"layers.0.q_proj.weight_scale_inv": (2, 2), "layers.0.down_proj.weight_scale_inv": (2, 4)}, "block"),
+    ],
+)
+def test_a_workers_quantization_is_read_off_its_scales(scales: dict[str, tuple[int, ...]], fmt: str) -> None:
+    from ckpt_vllm.quantization import derive_weight_quantization
+
+    spec = derive_weight_quantization(fp8_layout(scales), torch.bfloat16)
+    assert spec is not None and spec.fmt.value == fmt and spec.dtype == torch.bfloat16
+    assert spec.weights == {"layers.0.q_proj.weight", "layers.0.down_proj.weight"}  # not the head, not the norm
+
+
+@pytest.mark.parametrize(
+    ("scales", "said"),
+    [
+        ({"layers.0.q_proj.weight_scale_inv": (2, 1)}, r"weight_scale_inv has shape \[2, 1\], not the \[2, 2\]"),
+        ({"layers.0.q_proj.weight_scale": (256, 2)}, r"weight_scale has shape \[256, 2\], neither one value"),
+        (
+            {"layers.0.q_proj.weight_scale": (256, 1), "layers.0.down_proj.weight_scale_inv": (2, 4)},
+            r"more than one FP8 format \(\['block', 'per_channel'\]\)",
+        ),
+    ],
+)
+def test_a_quantization_ckpt_engine_cannot_make_is_refused(scales: dict[str, tuple[int, ...]], said: str) -> None:
+    from ckpt_vllm.quantization import derive_weight_quantization
+
+    with pytest.raises(RolloutLoadError, match=said):
+        derive_weight_quantization(fp8_layout(scales), torch.bfloat16)
+
+
+def test_a_model_without_scales_holds_nothing_quantized() -> None:
+    from ckpt_vllm.quantization import derive_weight_quantization
+
+    assert derive_weight_quantization(fp8_layout({}), torch.bfloat16) is None
