@@ -168,12 +168,18 @@ def engine_and_references(tp: int, checkpoints: dict[str, Any]) -> Iterator[tupl
 
     first, *later = checkpoints["weights"]
     with vllm_engine(first, tp, **VLLM_ENGINE_ARGS) as llm:
-        references = [greedy_tokens(llm.generate)]
-        for path in later:
-            reload_from_disk(llm, path)
-            references.append(greedy_tokens(llm.generate))
-        assert len({str(tokens) for tokens in references}) == len(references), "a step did not change the tokens"
-        yield llm, references
+        yield llm, tokens_then_reloads(llm, later)
+
+
+def tokens_then_reloads(llm: Any, later: list[Path]) -> list[list[list[int]]]:
+    """What ``llm`` generates now, then after vLLM's own reload of each of ``later`` (it is
+    left at the last); each must differ from the others, or no check could tell them apart."""
+    references = [greedy_tokens(llm.generate)]
+    for path in later:
+        reload_from_disk(llm, path)
+        references.append(greedy_tokens(llm.generate))
+    assert len({str(tokens) for tokens in references}) == len(references), "a step did not change the tokens"
+    return references
 
 
 @pytest.fixture(scope="class")

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import REFITS, greedy_tokens, reload_from_disk, trainer_pool, vllm_engine
+from conftest import REFITS, greedy_tokens, tokens_then_reloads, trainer_pool, vllm_engine
 from test_vllm_refit import CALL_TIMEOUT_S, in_parallel, train
 
 from ckpt_core.orchestration.rendezvous import MetadataRendezvous
@@ -33,12 +33,7 @@ def online_fp8(checkpoints: dict[str, Any]) -> Iterator[tuple[Any, list[list[lis
     refit into an FP8 engine must reproduce. It is left at W3."""
     first, *later = checkpoints["weights"]
     with vllm_engine(first, 1, quantization="fp8_per_channel", weight_transfer_config={"backend": "ckpt"}) as llm:
-        references = [greedy_tokens(llm.generate)]
-        for path in later:
-            reload_from_disk(llm, path)
-            references.append(greedy_tokens(llm.generate))
-        assert len({str(tokens) for tokens in references}) == len(references), "a step did not change the tokens"
-        yield llm, references
+        yield llm, tokens_then_reloads(llm, later)
 
 
 @pytest.fixture(scope="module")
