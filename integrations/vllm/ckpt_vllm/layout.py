@@ -17,29 +17,50 @@ expert, and ``experts.down_proj`` ``[E, H, I]``; with the model's
 as an alternative naming (:class:`ckpt_core.layout.AlternativeNaming`): a trainer yields
 either. A module of a kind not listed here is kept whole: it then arrives entire and vLLM's
 own loader takes its part, as without a layout (correct, without the saving).
+
+An FP8 model's scales follow their weights (:func:`scale_kept`): a rank keeps the scales of the
+rows or 128x128 blocks it keeps. Its attention layers' quantization scales (``k_scale``,
+``v_scale`` and the like) are left out: they are calibration values no trainer makes, which
+vLLM keeps when a reload brings none.
+
 :func:`full_weight` puts a received shard back where vLLM's loader reads it: vLLM's loaders
 take the full checkpoint tensor and cut their shard themselves.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from ckpt_core.errors import WeightLayoutError
+from ckpt_core.fp8 import BLOCK_SHAPE
 from ckpt_core.layout import AlternativeNaming, KeptWeight, WeightLayout, nothing, slices, whole
 from ckpt_vllm.errors import RolloutLoadError
+
+
+# FP8 scales of a linear layer's weight, in checkpoint format (ckpt_core.fp8).
+_WEIGHT_SCALES = ("weight_scale", "weight_scale_inv")
+# An attention layer's quantization scales (KV cache, query, softmax): calibration values, not
+# trained. vLLM's loader accepts a checkpoint without them (QuantizationConfig's
+# _ignore_unexpected_suffixes) and its reload keeps the ones it holds, so a refit leaves them
+# out: a layout naming them would require every trainer to send them.
+_ATTENTION_SCALES = frozenset(
+    ["q_scale", "k_scale", "v_scale", "prob_scale", "q_zero_point", "k_zero_point", "v_zero_point"]
+)
 
 
 def derive_weight_layout(model: torch.nn.Module) -> WeightLayout:
     """The layout of this rank: every checkpoint weight the model loads, with the part of it
     this rank keeps. Call after the model is loaded (vLLM has recorded its checkpoint-format
     shapes then)."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
     packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
     weights: dict[str, KeptWeight] = {}
+    scales: dict[str, tuple[int, ...]] = {}  # an FP8 weight's scale -> its shape as recorded
     alternatives: list[AlternativeNaming] = []
     for module_name, module in model.named_modules():
         if type(module).__name__ == "RoutedExperts":
@@ -51,18 +72,65 @@ def derive_weight_layout(model: torch.nn.Module) -> WeightLayout:
         # repacked weights); a parameter registered after that (a bias) has its shape still.
         recorded, _ = get_layerwise_info(module).restore_metadata
         parameters = {name: p for name, p in module.named_parameters(recurse=False)} | dict(recorded)
+        if is_deferred_attention_layer(module):
+            parameters = {n: p for n, p in parameters.items() if n not in _ATTENTION_SCALES}
         leaf = module_name.rsplit(".", 1)[-1]
         prefix = module_name[: len(module_name) - len(leaf)]
         for param_name, meta in parameters.items():
             shape = tuple(meta.shape)
             parts = packed.get(leaf)
+            if param_name in _WEIGHT_SCALES:  # placed once their weights are (below)
+                names = [f"{prefix}{part}" for part in parts] if parts else [module_name]
+                scales.update({f"{name}.{param_name}": shape for name in names})
+                continue
             if parts:  # a fused module: one checkpoint weight per part
                 for index, part in enumerate(parts):
                     kept = _fused_part(module, index, param_name, shape)
                     weights[f"{prefix}{part}.{param_name}"] = kept
             else:
                 weights[f"{module_name}.{param_name}"] = _kept(module, param_name, shape)
+    for name, shape in scales.items():
+        weight = weights.get(name.rsplit(".", 1)[0] + ".weight")
+        weights[name] = whole(shape) if weight is None else scale_kept(name, shape, weight)
     return WeightLayout(weights, tuple(alternatives))
+
+
+def scale_kept(name: str, shape: tuple[int, ...], weight: KeptWeight) -> KeptWeight:
+    """What a rank keeps of FP8 scale ``name`` (of shape ``shape`` as vLLM recorded it, this
+    rank's part of it) given what it keeps of the scale's weight: the scales of the rows and
+    columns it keeps. In checkpoint format, as a trainer's quantizing engine sends them
+    (:mod:`ckpt_core.fp8`):
+
+    * ``weight_scale_inv``, one per 128x128 block (``[ceil(rows / 128), ceil(cols / 128)]``):
+      the blocks of the kept parts; a part that starts or ends inside a block (other than the
+      weight's last, partial one) cuts that block's scale between ranks, and is refused with
+      :class:`~ckpt_core.errors.WeightLayoutError` naming the scale.
+    * ``weight_scale`` of one value per row (``[rows, 1]``, per-channel): the kept rows; all of
+      it when the rank keeps columns (a row-parallel layer) or all of the weight.
+    * ``weight_scale`` of one value (per part of a fused weight: per-tensor): that value,
+      ``[1]``, when the rank keeps any of the weight."""
+    if name.endswith("_scale_inv"):
+        full = tuple(math.ceil(size / block) for size, block in zip(weight.shape, BLOCK_SHAPE))
+        if not weight.kept or weight.dim is None:
+            return whole(full) if weight.kept else nothing(full)
+        block, size = BLOCK_SHAPE[weight.dim], weight.shape[weight.dim]
+        parts = []
+        for offset, length in weight.parts:
+            if offset % block or (length % block and offset + length != size):
+                raise WeightLayoutError(
+                    f"{name}: this rank keeps elements [{offset}, {offset + length}) of dimension {weight.dim} "
+                    f"of its weight, which cuts a {BLOCK_SHAPE[0]}x{BLOCK_SHAPE[1]} block: the block's one scale "
+                    "cannot be split between ranks (vLLM needs each rank's share to be whole blocks); run "
+                    "without shard_expert_weights for this model"
+                )
+            parts.append((offset // block, math.ceil(length / block)))
+        return slices(full, weight.dim, parts)
+    if len(shape) == 2 and shape[1] == 1:
+        full = (weight.shape[0], 1)
+        if weight.kept and weight.dim == 0:
+            return slices(full, 0, weight.parts)
+        return whole(full) if weight.kept else nothing(full)
+    return whole((1,)) if weight.kept else nothing((1,))
 
 
 def checkpoint_parameter_bytes(model: torch.nn.Module) -> int:

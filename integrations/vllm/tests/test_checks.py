@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from ckpt_core.errors import EngineOptionError, InvalidArgumentError, UnknownBackendError, WeightLayoutError
-from ckpt_core.layout import WeightLayout, check_layouts, nothing, select_weights, slices, whole
+from ckpt_core.fp8 import Fp8Format, quantize
+from ckpt_core.layout import KeptWeight, WeightLayout, check_layouts, nothing, select_weights, slices, whole
 from ckpt_vllm import RolloutLoadError, VllmRollout
-from ckpt_vllm.layout import _expert_weights, full_weight
+from ckpt_vllm.layout import _expert_weights, full_weight, scale_kept
 
 # --- full_weight ---------------------------------------------------------------------------
 
@@ -231,3 +232,50 @@ def test_a_model_without_scales_holds_nothing_quantized() -> None:
     from ckpt_vllm.quantization import derive_weight_quantization
 
     assert derive_weight_quantization(fp8_layout({}), torch.bfloat16) is None
+
+
+# --- FP8 scales in a sharded layout -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fmt", "kept"),
+    [
+        (Fp8Format.PER_CHANNEL, slices((384, 256), 0, [(128, 64), (320, 64)])),  # rows: a fused part's
+        (Fp8Format.PER_CHANNEL, slices((384, 256), 1, [(128, 128)])),  # columns: a row-parallel layer's
+        (Fp8Format.PER_CHANNEL, nothing((384, 256))),
+        (Fp8Format.PER_TENSOR, slices((384, 256), 0, [(0, 192)])),
+        (Fp8Format.BLOCK, slices((384, 256), 0, [(128, 128), (256, 128)])),
+        (Fp8Format.BLOCK, slices((300, 256), 0, [(256, 44)])),  # the last, partial block
+        (Fp8Format.BLOCK, slices((384, 300), 1, [(128, 172)])),
+        (Fp8Format.BLOCK, whole((384, 300))),
+    ],
+)
+def test_a_rank_keeps_the_scales_of_what_it_keeps_of_their_weight(fmt: Fp8Format, kept: KeptWeight) -> None:
+    """The scales a rank receives (the full weight quantized, then selected by
+    ``scale_kept``) are the scales of the rows, columns or blocks it holds: those its part of
+    the weight has, quantized on its own (a row's or a block's scale depends on it alone);
+    the whole weight's scales where its part was quantized by them: a row-parallel rank's
+    columns by their full rows' scales, any part by a per-tensor scale."""
+    generator = torch.Generator().manual_seed(3)
+    weight = (torch.randn(kept.shape, generator=generator) * torch.logspace(-2, 1, kept.shape[0])[:, None]).bfloat16()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    full = quantize(name, weight, fmt)
+    recorded = (kept.shape[0] // 2, 1) if fmt is Fp8Format.PER_CHANNEL else (1,)  # what a rank records: unused
+    selected = scale_kept(full.scale_name, recorded, kept).select(full.scale)
+    part = kept.select(weight)
+    if part is None or fmt is Fp8Format.PER_TENSOR or (fmt is Fp8Format.PER_CHANNEL and kept.dim == 1):
+        expected = None if part is None else full.scale
+    else:
+        expected = quantize(name, part, fmt).scale
+    if expected is None:
+        assert selected is None
+    else:
+        assert selected is not None and torch.equal(selected, expected)
+
+
+@pytest.mark.parametrize(
+    "kept", [slices((384, 256), 0, [(64, 128)]), slices((384, 256), 1, [(0, 100)]), slices((384, 256), 0, [(0, 200)])]
+)
+def test_a_shard_that_cuts_a_block_of_fp8_scales_is_refused(kept: KeptWeight) -> None:
+    with pytest.raises(WeightLayoutError, match=r"q_proj\.weight_scale_inv: this rank keeps elements .* cuts a 128x128"):
+        scale_kept("model.layers.0.self_attn.q_proj.weight_scale_inv", (1, 2), kept)

@@ -6,17 +6,22 @@ having derived it from their live model.
 Three refits in a row, each token-equal to vLLM quantizing the same trainer weights itself:
 its online ``fp8_per_channel`` of W1 at start-up, then its own reload of W2 and W3. The
 refitted engine starts from an FP8 checkpoint of the start-up model, so the first refit
-changes every weight. And the way without quantize-on-send: BF16 refits of that online
+changes every weight. At tensor-parallel size 2, sharded: each worker receives its shards of
+the FP8 weights and their scales, token-equal to the same engine loading W1..W3 quantized by
+vLLM's per-channel quantizer. And the way without quantize-on-send: BF16 refits of the online
 engine, which quantizes on load, token-equal to its own reloads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from conftest import REFITS, greedy_tokens, tokens_then_reloads, trainer_pool, vllm_engine
+from test_fp8_reference import vllm_per_channel
 from test_vllm_refit import CALL_TIMEOUT_S, in_parallel, train
 
 from ckpt_core.orchestration.rendezvous import MetadataRendezvous
@@ -49,9 +54,12 @@ def fp8_llm(checkpoints: dict[str, Any], tmp_path_factory: pytest.TempPathFactor
         yield llm
 
 
-def three_refits(llm: Any, backend: str, engine_kwargs: dict[str, Any], checkpoints: dict[str, Any]) -> list[Any]:
-    """A trainer replaying W1..W3 refits ``llm`` after each step through vLLM's offline calls
-    (meeting its workers at a rendezvous); the greedy tokens after each refit."""
+def three_refits(
+    llm: Any, backend: str, engine_kwargs: dict[str, Any], checkpoints: dict[str, Any], tp: int = 1
+) -> list[Any]:
+    """A trainer replaying W1..W3 refits ``llm`` (``tp`` workers) after each step through
+    vLLM's offline calls (meeting its workers at a rendezvous); the greedy tokens after each
+    refit."""
     init_info = {"transport": backend, "bucket_size_bytes": BUCKET, "engine_kwargs": engine_kwargs}
     tokens = []
     try:
@@ -59,7 +67,7 @@ def three_refits(llm: Any, backend: str, engine_kwargs: dict[str, Any], checkpoi
             with MetadataRendezvous() as rendezvous:
                 (joined,), _ = in_parallel(
                     lambda: trainer.call(
-                        [(0, "connect", {"rendezvous": rendezvous.address, "rollout_world_size": 1})], CALL_TIMEOUT_S
+                        [(0, "connect", {"rendezvous": rendezvous.address, "rollout_world_size": tp})], CALL_TIMEOUT_S
                     ),
                     lambda: llm.init_weight_transfer_engine(
                         {"init_info": {**init_info, "rendezvous": rendezvous.address}}
@@ -97,3 +105,50 @@ def test_bf16_refits_into_an_engine_that_quantizes_on_load(
     reloads it (its scales are made there, not sent: the refit is complete without them)."""
     llm, references = online_fp8
     assert three_refits(llm, "gloo_cpu", {}, checkpoints) == references
+
+
+def vllm_quantized_checkpoint(source: Path, target: Path) -> Path:
+    """``source`` as a compressed-tensors FP8 checkpoint (:func:`save_fp8_checkpoint`'s
+    format) whose bytes and scales vLLM's own per-channel quantizer made."""
+    from safetensors.torch import load_file, save_file
+
+    save_fp8_checkpoint(source, target)
+    full = {name: t for file in source.glob("*.safetensors") for name, t in load_file(str(file)).items()}
+    file = target / "model.safetensors"
+    tensors = load_file(str(file))
+    for name in [n for n in tensors if n.endswith(".weight_scale")]:
+        weight = name.removesuffix("_scale")
+        tensors[weight], scale = vllm_per_channel(full[weight])
+        tensors[name] = scale.to(torch.float32).reshape(tensors[name].shape)
+    save_file(tensors, str(file))
+    return target
+
+
+class TestShardedAtTensorParallel2:
+    """Each of two tensor-parallel workers receives only its shards of the FP8 weights and the
+    scales of its rows (``shard_expert_weights``, topology fanout). The references are one
+    TP 2 engine's own: what it generates from W1 quantized by vLLM's per-channel quantizer (a
+    fresh engine), then after its reload of W2 and W3 quantized so; it is left at W3 and then
+    refitted."""
+
+    @pytest.fixture(scope="class")
+    def engine_and_references(
+        self, checkpoints: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+    ) -> Iterator[tuple[Any, list[list[list[int]]]]]:
+        root = tmp_path_factory.mktemp("fp8_tp2")
+        first, *later = [vllm_quantized_checkpoint(w, root / w.name) for w in checkpoints["weights"]]
+        with vllm_engine(first, 2, weight_transfer_config={"backend": "ckpt"}) as llm:
+            yield llm, tokens_then_reloads(llm, later)
+
+    @pytest.mark.parametrize("backend", sorted(BACKENDS))
+    def test_three_sharded_quantizing_refits_equal_vllms_own_fp8(
+        self, backend: str, engine_and_references: tuple[Any, list[list[list[int]]]], checkpoints: dict[str, Any]
+    ) -> None:
+        llm, references = engine_and_references
+        engine_kwargs = {
+            **BACKENDS[backend],
+            "quantize_for_rollout": True,
+            "shard_expert_weights": True,
+            "topology": "fanout",
+        }
+        assert three_refits(llm, backend, engine_kwargs, checkpoints, tp=2) == references
