@@ -39,7 +39,6 @@ from ckpt_core.fp8 import BLOCK_SHAPE
 from ckpt_core.layout import AlternativeNaming, KeptWeight, WeightLayout, nothing, slices, whole
 from ckpt_vllm.errors import RolloutLoadError
 
-
 # FP8 scales of a linear layer's weight, in checkpoint format (ckpt_core.fp8).
 _WEIGHT_SCALES = ("weight_scale", "weight_scale_inv")
 # An attention layer's quantization scales (KV cache, query, softmax): calibration values, not

@@ -277,5 +277,7 @@ def test_a_rank_keeps_the_scales_of_what_it_keeps_of_their_weight(fmt: Fp8Format
     "kept", [slices((384, 256), 0, [(64, 128)]), slices((384, 256), 1, [(0, 100)]), slices((384, 256), 0, [(0, 200)])]
 )
 def test_a_shard_that_cuts_a_block_of_fp8_scales_is_refused(kept: KeptWeight) -> None:
-    with pytest.raises(WeightLayoutError, match=r"q_proj\.weight_scale_inv: this rank keeps elements .* cuts a 128x128"):
+    with pytest.raises(
+        WeightLayoutError, match=r"q_proj\.weight_scale_inv: this rank keeps elements .* cuts a 128x128"
+    ):
         scale_kept("model.layers.0.self_attn.q_proj.weight_scale_inv", (1, 2), kept)
