@@ -1,0 +1,266 @@
+"""Delta refits' two stages: the sender's, which sends each weight as a patch against what its
+destination holds where that is fewer bytes, and the receiver's, which turns the patches back
+into whole weights. Both sit above the pipeline (as layouts and quantize-on-send do), one pair
+per destination stream; the patches are :mod:`ckpt_core.delta`'s.
+
+Each side keeps a :class:`Baseline`: a copy of every weight of the last refit it completed,
+with that refit's version (a token the sender draws for each refit). A refit through
+:meth:`DeltaSender.encode` and :meth:`DeltaReceiver.decode` carries, first, a manifest naming
+the version its patches were made against and the version it makes; then each weight either
+whole, under its own name, or as a patch, under ``<name>`` + :data:`PATCH_SUFFIX`: one
+``uint8`` tensor holding the new weight's digest (8 bytes, little-endian), the patch's
+positions and its values (the receiver knows their widths from its copy of the weight).
+
+What it guarantees:
+
+* a patch applies only to the version it was made against: a receiver holding another (a
+  new or restarted one, one that missed or failed a refit) refuses the refit at its manifest,
+  before any weight, with :class:`BaselineMismatchError`, and keeps what it holds; a refit
+  made against no version (every weight whole) is taken by any receiver;
+* every patched weight is checked against the sender's digest of the new weight
+  (:class:`~ckpt_core.errors.IntegrityError` naming it on a mismatch);
+* a baseline moves only with :meth:`~DeltaSender.commit`, which a side calls once its refit
+  completed: a refit that failed anywhere leaves both baselines as they were. A sender that
+  cannot know whether its destination completed (it failed, or its destination reports
+  another version when they meet again) calls :meth:`~DeltaSender.forget`, and its next refit
+  sends every weight whole.
+
+What it costs: each side holds a copy of every weight it sent or received (its
+:attr:`Baseline.nbytes`), and the sender compares each weight with its copy (``diff``) and
+copies it (the next baseline).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+import uuid
+from collections.abc import Generator, Iterable
+
+import torch
+
+from ckpt_core._internal.checksum import payload_checksum
+from ckpt_core._internal.device_checksum import device_payload_checksum
+from ckpt_core.delta import Patch, apply, diff, position_dtype
+from ckpt_core.errors import IntegrityError, LifecycleError, WireFormatError
+
+MANIFEST_NAME = "\x00ckpt-engine.delta"
+"""The name of a delta refit's first entry (a ``uint8`` tensor of JSON); no weight has it."""
+PATCH_SUFFIX = "\x00patch"
+"""Appended to a weight's name when it travels as a patch."""
+_DIGEST = struct.Struct("<Q")
+
+
+class BaselineMismatchError(LifecycleError):
+    """A refit's patches were made against a version of the weights the receiver does not hold
+    (the message names both): nothing was applied, the receiver keeps what it holds. The
+    sender must send every weight whole (``DeltaSender.forget``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Baseline:
+    """What one side holds of one destination's weights after a completed refit: a copy of
+    each (contiguous, owned) and that refit's version (``None``: nothing yet)."""
+
+    tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    version: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+@dataclasses.dataclass
+class DeltaStats:
+    """One refit's delta, as one side saw it: weights sent whole and as patches, the elements
+    the patches changed, and the bytes the weights moved in (manifest included)."""
+
+    whole: int = 0
+    patched: int = 0
+    changed_elements: int = 0
+    patched_elements: int = 0  # of the weights sent as patches, all their elements
+    bytes: int = 0
+
+    @property
+    def fraction_patched(self) -> float:
+        weights = self.whole + self.patched
+        return self.patched / weights if weights else 0.0
+
+
+def tensor_digest(tensor: torch.Tensor) -> int:
+    """A 64-bit digest of ``tensor``'s bytes (xxh3 on the host, ckpt-engine's device digest
+    elsewhere): what a patched weight is checked against."""
+    data = tensor.contiguous().reshape(-1).view(torch.uint8)
+    return payload_checksum(data) if data.device.type == "cpu" else device_payload_checksum(data)
+
+
+class DeltaSender:
+    """The sender's stage for one destination stream (``destination`` names it in errors)."""
+
+    def __init__(self, *, destination: str) -> None:
+        self.destination = destination
+        self.baseline = Baseline()
+        self._pending: Baseline | None = None
+        self.last_stats = DeltaStats()
+
+    def encode(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Generator[tuple[str, torch.Tensor], None, None]:
+        """``weights`` as this refit sends them: the manifest, then each weight whole or as a
+        patch against the baseline. The weights become the next baseline at :meth:`commit`."""
+        base = self.baseline
+        version = uuid.uuid4().hex
+        stats = self.last_stats = DeltaStats()
+        manifest = _manifest(base.version, version)
+        stats.bytes += manifest.numel()
+        yield MANIFEST_NAME, manifest
+        kept: dict[str, torch.Tensor] = {}
+        self._pending = None
+        for name, tensor in weights:
+            if name in kept:
+                raise WireFormatError(f"{self.destination}: the sender yields weight {name!r} twice in one refit")
+            old = base.tensors.get(name)
+            patch = None
+            if old is not None and (old.shape, old.dtype, old.device) == (tensor.shape, tensor.dtype, tensor.device):
+                patch = diff(old, tensor, name=name)
+            kept[name] = tensor.detach().clone(memory_format=torch.contiguous_format)
+            if patch is None:
+                stats.whole += 1
+                stats.bytes += tensor.numel() * tensor.element_size()
+                yield name, tensor
+            else:
+                blob = _patch_blob(tensor_digest(kept[name]), patch)
+                stats.patched += 1
+                stats.changed_elements += patch.changed
+                stats.patched_elements += tensor.numel()
+                stats.bytes += blob.numel()
+                yield name + PATCH_SUFFIX, blob
+        self._pending = Baseline(kept, version)
+
+    def commit(self) -> None:
+        """The refit :meth:`encode` made completed at its destination: its weights are the
+        baseline now. Refused (``LifecycleError``) without a refit encoded to its end."""
+        if self._pending is None:
+            raise LifecycleError(f"{self.destination}: no encoded refit to commit")
+        self.baseline, self._pending = self._pending, None
+
+    def discard(self) -> None:
+        """The refit failed at its destination (or before): the baseline stays."""
+        self._pending = None
+
+    def forget(self) -> None:
+        """Whether the destination holds the baseline is unknown: drop it (the next refit
+        sends every weight whole)."""
+        self.baseline, self._pending = Baseline(), None
+
+
+class DeltaReceiver:
+    """The receiver's stage for one stream (``source`` names the sender in errors)."""
+
+    def __init__(self, *, source: str) -> None:
+        self.source = source
+        self.baseline = Baseline()
+        self._pending: Baseline | None = None
+        self.last_stats = DeltaStats()
+
+    def decode(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Generator[tuple[str, torch.Tensor], None, None]:
+        """The refit's weights, whole, as the sender yielded them. Weights received whole are
+        passed on as received (a copy is kept for the baseline); patched ones are new tensors
+        (the baseline's copy, patched and checked). The weights become the baseline at
+        :meth:`commit`."""
+        self._pending = None
+        stats = self.last_stats = DeltaStats()
+        stream = iter(weights)
+        first = next(stream, None)
+        if first is None or first[0] != MANIFEST_NAME:
+            got = "nothing" if first is None else repr(first[0])
+            raise WireFormatError(f"a delta refit from {self.source} starts with its manifest, got {got}")
+        stats.bytes += first[1].numel()
+        base_version, version = _read_manifest(first[1], self.source)
+        if base_version is not None and base_version != self.baseline.version:
+            raise BaselineMismatchError(
+                f"{self.source} made this refit's patches against weights version {base_version}, but this "
+                f"receiver holds {self.baseline.version}: nothing was applied; the sender must send every "
+                "weight whole"
+            )
+        base = self.baseline if base_version is not None else Baseline()  # a whole refit patches nothing
+        kept: dict[str, torch.Tensor] = {}
+        for name, tensor in stream:
+            if name.endswith(PATCH_SUFFIX):
+                name = name.removesuffix(PATCH_SUFFIX)
+                old = base.tensors.get(name)
+                if old is None:
+                    raise WireFormatError(f"{self.source} sent a patch of {name!r}, which this receiver does not hold")
+                new = old.clone()
+                patch, digest = _read_patch(tensor, new, name)
+                apply(new, patch, name=name)
+                if tensor_digest(new) != digest:
+                    raise IntegrityError(
+                        f"{name}: patched from {self.source}'s patch, it does not match the sender's digest of the "
+                        "new weight: this receiver's copy differs from the sender's"
+                    )
+                stats.patched += 1
+                stats.changed_elements += patch.changed
+                stats.patched_elements += new.numel()
+                stats.bytes += tensor.numel()
+                kept[name] = new
+                yield name, new
+            else:
+                stats.whole += 1
+                stats.bytes += tensor.numel() * tensor.element_size()
+                kept[name] = tensor.detach().clone(memory_format=torch.contiguous_format)
+                yield name, tensor
+        self._pending = Baseline(kept, version)
+
+    def commit(self) -> None:
+        """The refit :meth:`decode` yielded completed: its weights are the baseline now."""
+        if self._pending is None:
+            raise LifecycleError(f"from {self.source}: no decoded refit to commit")
+        self.baseline, self._pending = self._pending, None
+
+    def discard(self) -> None:
+        self._pending = None
+
+
+def _manifest(base: str | None, version: str) -> torch.Tensor:
+    data = json.dumps({"format": "ckpt-engine.delta", "version": 1, "base": base, "makes": version})
+    return torch.frombuffer(bytearray(data.encode()), dtype=torch.uint8)
+
+
+def _read_manifest(tensor: torch.Tensor, source: str) -> tuple[str | None, str]:
+    try:
+        data = json.loads(bytes(tensor.cpu().numpy().tobytes()))
+        if data["format"] != "ckpt-engine.delta" or data["version"] != 1:
+            raise ValueError(f"format {data['format']!r} version {data['version']!r}")
+        base, makes = data["base"], data["makes"]
+        if not (base is None or isinstance(base, str)) or not isinstance(makes, str):
+            raise ValueError("base and makes must be version strings")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise WireFormatError(f"the delta manifest from {source} is malformed: {exc}") from None
+    return base, makes
+
+
+def _patch_blob(digest: int, patch: Patch) -> torch.Tensor:
+    """A patch as one ``uint8`` tensor: the digest, the positions, the values."""
+    values = patch.values.contiguous().reshape(-1)
+    values = values.view(torch.uint8) if values.dtype == torch.bool else values
+    header = torch.frombuffer(bytearray(_DIGEST.pack(digest)), dtype=torch.uint8).to(values.device)
+    return torch.cat([header, patch.positions.view(torch.uint8), values.view(torch.uint8)])
+
+
+def _read_patch(blob: torch.Tensor, like: torch.Tensor, name: str) -> tuple[Patch, int]:
+    """The patch (and the sender's digest) in ``blob``, for a weight like ``like``."""
+    numel, width = like.numel(), like.element_size()
+    positions_dtype = position_dtype(numel)
+    per_element = torch.empty((), dtype=positions_dtype).element_size() + width
+    body = blob.numel() - _DIGEST.size
+    if blob.dtype != torch.uint8 or blob.dim() != 1 or body < 0 or body % per_element:
+        raise WireFormatError(
+            f"{name}: a patch of {blob.numel()} bytes does not hold whole elements of {like.dtype} with their positions"
+        )
+    count = body // per_element
+    (digest,) = _DIGEST.unpack(blob[: _DIGEST.size].cpu().numpy().tobytes())
+    data = blob[_DIGEST.size :].to(like.device)
+    positions = data[: count * (per_element - width)].clone().view(positions_dtype)
+    values = data[count * (per_element - width) :].clone()
+    values = values.view(torch.bool) if like.dtype == torch.bool else values.view(like.dtype)
+    return Patch(positions=positions, values=values, numel=numel), digest

@@ -1,0 +1,234 @@
+"""Delta refits' stages (ckpt_core.delta_refit): a sender's patches turned back into whole
+weights by its receiver, bit for bit, over refits in a row; and never a wrong weight when the
+two sides' baselines differ or a refit fails."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from ckpt_core.delta_refit import (
+    MANIFEST_NAME,
+    PATCH_SUFFIX,
+    BaselineMismatchError,
+    DeltaReceiver,
+    DeltaSender,
+)
+from ckpt_core.errors import IntegrityError, LifecycleError, WireFormatError
+from ckpt_core.testing.in_process import connected_pair, run_refit
+
+# Each refit changes this fraction of every weight's elements, in turn.
+FRACTIONS = [0.0, 0.0001, 0.01, 0.1, 1.0]
+
+
+def model(generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Weights of every kind a refit carries, 0-d and empty ones included."""
+    return {
+        "bf16": torch.randn(128, 96, generator=generator).bfloat16(),
+        "fp32": torch.randn(5000, generator=generator),
+        "fp16": torch.randn(40, 40, generator=generator).half(),
+        "fp8": torch.randn(64, 64, generator=generator).to(torch.float8_e4m3fn),
+        "int64": torch.randint(-1000, 1000, (3000,), generator=generator),
+        "bool": torch.rand(2000, generator=generator) > 0.5,
+        "scalar": torch.tensor(1.5),
+        "empty": torch.empty(0, 8),
+    }
+
+
+def step(weights: dict[str, torch.Tensor], fraction: float, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """The next version: ``fraction`` of each weight's elements flipped in their lowest bit."""
+    new = {}
+    for name, tensor in weights.items():
+        tensor = tensor.clone()
+        count = round(tensor.numel() * fraction)
+        if count:
+            flat = tensor.reshape(-1).view(torch.uint8).view(tensor.numel(), tensor.element_size())
+            flat[torch.randperm(tensor.numel(), generator=generator)[:count], 0] ^= 1
+        new[name] = tensor
+    return new
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def refit(sender: DeltaSender, receiver: DeltaReceiver, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One refit through both stages (as the pipeline would carry it), committed on both."""
+    received = {name: tensor.clone() for name, tensor in receiver.decode(sender.encode(iter(weights.items())))}
+    sender.commit()
+    receiver.commit()
+    return received
+
+
+def assert_same(received: dict[str, torch.Tensor], sent: dict[str, torch.Tensor]) -> None:
+    assert list(received) == list(sent)
+    for name, tensor in sent.items():
+        assert received[name].dtype == tensor.dtype and received[name].shape == tensor.shape, name
+        assert torch.equal(bits(received[name]), bits(tensor)), f"{name} differs"
+
+
+def test_twenty_refits_in_a_row_arrive_bit_for_bit_and_small_changes_travel_as_patches() -> None:
+    generator = torch.Generator().manual_seed(0)
+    sender, receiver = DeltaSender(destination="rollout 0"), DeltaReceiver(source="policy 0")
+    weights = model(generator)
+    assert_same(refit(sender, receiver, weights), weights)
+    assert sender.last_stats.patched == 0  # nothing to patch against yet
+    for k in range(20):
+        fraction = FRACTIONS[k % len(FRACTIONS)]
+        weights = step(weights, fraction, generator)
+        assert_same(refit(sender, receiver, weights), weights)
+        stats = sender.last_stats
+        assert receiver.last_stats == stats
+        whole_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+        if fraction <= 0.01:
+            assert stats.patched >= 6 and stats.bytes < 0.1 * whole_bytes, stats
+        if fraction == 1.0:
+            assert stats.patched <= 2 and stats.bytes >= whole_bytes, stats  # 0-d and empty: empty patches
+    assert sender.baseline.version == receiver.baseline.version
+    assert sender.baseline.nbytes == receiver.baseline.nbytes == sum(t.nbytes for t in weights.values())
+
+
+def test_a_refit_that_fails_midway_leaves_both_baselines_as_they_were() -> None:
+    generator = torch.Generator().manual_seed(1)
+    sender, receiver = DeltaSender(destination="rollout 0"), DeltaReceiver(source="policy 0")
+    weights = model(generator)
+    refit(sender, receiver, weights)
+    held = sender.baseline
+    failed = step(weights, 0.01, generator)
+    stream = receiver.decode(sender.encode(iter(failed.items())))
+    for _ in range(3):
+        next(stream)
+    stream.close()  # the transport failed after three weights
+    sender.discard()
+    receiver.discard()
+    with pytest.raises(LifecycleError, match="no decoded refit to commit"):
+        receiver.commit()
+    assert sender.baseline is held
+    later = step(failed, 0.01, generator)
+    assert_same(refit(sender, receiver, later), later)
+    assert sender.last_stats.patched >= 6
+
+
+def test_a_receiver_holding_another_version_refuses_the_patches_and_a_whole_refit_recovers() -> None:
+    """A restarted rollout (nothing held), and one whose last refit failed after its sender
+    completed: each refuses at the manifest, before any weight; after ``forget`` the sender's
+    whole refit is taken."""
+    generator = torch.Generator().manual_seed(2)
+    sender, receiver = DeltaSender(destination="rollout 0"), DeltaReceiver(source="policy 0")
+    weights = model(generator)
+    refit(sender, receiver, weights)
+    for restarted in (True, False):
+        weights = step(weights, 0.01, generator)
+        if restarted:
+            receiver = DeltaReceiver(source="policy 0")
+        else:  # the sender committed a refit its receiver did not
+            list(sender.encode(iter(weights.items())))
+            sender.commit()
+            weights = step(weights, 0.01, generator)
+        held = receiver.baseline
+        with pytest.raises(BaselineMismatchError, match="nothing was applied"):
+            next(receiver.decode(sender.encode(iter(weights.items()))))
+        assert receiver.baseline is held
+        sender.forget()
+        assert_same(refit(sender, receiver, weights), weights)
+        assert sender.last_stats.patched == 0
+        weights = step(weights, 0.01, generator)
+        assert_same(refit(sender, receiver, weights), weights)
+        assert sender.last_stats.patched >= 6
+
+
+def test_a_patch_that_does_not_give_the_senders_weight_is_an_integrity_error() -> None:
+    generator = torch.Generator().manual_seed(3)
+    sender, receiver = DeltaSender(destination="rollout 0"), DeltaReceiver(source="policy 0")
+    weights = model(generator)
+    refit(sender, receiver, weights)
+    receiver.baseline.tensors["fp32"][7] += 1  # the receiver's copy went wrong
+    with pytest.raises(IntegrityError, match="fp32: patched from policy 0's patch, it does not match"):
+        list(receiver.decode(sender.encode(iter(step(weights, 0.01, generator).items()))))
+
+
+def test_weights_that_change_shape_or_appear_travel_whole_and_dropped_ones_leave_the_baseline() -> None:
+    generator = torch.Generator().manual_seed(4)
+    sender, receiver = DeltaSender(destination="rollout 0"), DeltaReceiver(source="policy 0")
+    weights = model(generator)
+    refit(sender, receiver, weights)
+    changed = step(weights, 0.01, generator)
+    changed["bf16"] = changed["bf16"][:64]  # another layout's shard
+    changed["new"] = torch.ones(10)
+    del changed["fp32"]
+    names = [name for name, _ in sender.encode(iter(changed.items()))]
+    sender.discard()
+    assert "bf16" in names and "new" in names and "fp16" + PATCH_SUFFIX in names
+    assert_same(refit(sender, receiver, changed), changed)
+    assert "fp32" not in sender.baseline.tensors and "fp32" not in receiver.baseline.tensors
+
+
+def test_received_whole_weights_are_kept_by_copy() -> None:
+    """A receiver hands on whole weights as received (views of a transport buffer, say) and
+    keeps its own copy: the buffer's reuse does not change its baseline."""
+    sender, receiver = DeltaSender(destination="rollout 0"), DeltaReceiver(source="policy 0")
+    buffer = torch.arange(8, dtype=torch.float32)
+
+    def lent() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in sender.encode(iter({"w": buffer.clone()}.items())):
+            yield name, tensor
+            if name == "w":
+                tensor.zero_()  # refilled once the next batch is asked for
+
+    list(receiver.decode(lent()))
+    sender.commit()
+    receiver.commit()
+    assert torch.equal(receiver.baseline.tensors["w"], torch.arange(8, dtype=torch.float32))
+
+
+@pytest.mark.parametrize(
+    ("first", "said"),
+    [
+        (None, "starts with its manifest, got nothing"),
+        (("w", torch.zeros(3)), "starts with its manifest, got 'w'"),
+        ((MANIFEST_NAME, torch.frombuffer(bytearray(b"{}"), dtype=torch.uint8)), "manifest from policy 0 is malformed"),
+    ],
+)
+def test_a_stream_without_a_good_manifest_is_refused(first: tuple[str, torch.Tensor] | None, said: str) -> None:
+    with pytest.raises(WireFormatError, match=said):
+        list(DeltaReceiver(source="policy 0").decode(iter([first] if first else [])))
+
+
+def test_a_patch_of_the_wrong_size_is_refused() -> None:
+    sender, receiver = DeltaSender(destination="rollout 0"), DeltaReceiver(source="policy 0")
+    refit(sender, receiver, {"w": torch.zeros(100)})
+    stream = sender.encode(iter({"w": torch.zeros(100).index_fill_(0, torch.tensor([3]), 1.0)}.items()))
+    manifest, (name, blob) = next(stream), next(stream)
+    with pytest.raises(WireFormatError, match="w: a patch of 15 bytes does not hold whole elements"):
+        list(receiver.decode(iter([manifest, (name, blob[:-1])])))
+
+
+def test_patches_travel_through_an_engines_pipeline() -> None:
+    """The stages around a real engine pair (the in-process transport: buckets packed, the wire
+    format, chunks): patch names and blobs survive it, and a refit that changed 1% moves a
+    tenth of the bytes of the first, whole one."""
+    generator = torch.Generator().manual_seed(5)
+    policy, rollout = connected_pair(1 << 16)
+    sender, receiver = DeltaSender(destination="rollout 0"), DeltaReceiver(source="policy 0")
+    weights = {name: tensor for name, tensor in model(generator).items()}
+    weights["big"] = torch.randn(256, 256, generator=generator)  # chunked across buckets
+    payloads = []
+    try:
+        for fraction in (None, 0.01, 0.0, 0.01):
+            if fraction is not None:
+                weights = step(weights, fraction, generator)
+            outcome = run_refit(policy, rollout, functools.partial(sender.encode, iter(weights.items())))
+            assert outcome.send_error is None and outcome.receive_error is None
+            received = {name: tensor.clone() for name, tensor in receiver.decode(iter(outcome.received))}
+            sender.commit()
+            receiver.commit()
+            assert_same(received, weights)
+            assert policy.last_stats is not None
+            payloads.append(policy.last_stats.payload_bytes)
+    finally:
+        policy.finalize()
+        rollout.finalize()
+    assert max(payloads[1:]) < 0.1 * payloads[0], payloads
