@@ -118,10 +118,22 @@ def apply(tensor: torch.Tensor, patch: Patch, *, name: str) -> None:
     _bits(tensor, name).index_copy_(0, positions, _bits(patch.values.to(tensor.device), name))
 
 
+def patchable(tensor: torch.Tensor) -> bool:
+    """Whether :func:`diff` compares ``tensor``'s elements (1, 2, 4 or 8 bytes each, not a
+    quantized tensor); others travel whole."""
+    return tensor.element_size() in _SAME_WIDTH_INTEGER and not tensor.is_quantized
+
+
+def copy_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``tensor``, made byte for byte (which works for dtypes that have no
+    copy kernel of their own, such as the 1-bit integers)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8).clone().view(tensor.dtype).reshape(tensor.shape)
+
+
 def _bits(tensor: torch.Tensor, name: str) -> torch.Tensor:
     """``tensor``'s elements as integers of the same width, flat (a view where it can be)."""
     integer = _SAME_WIDTH_INTEGER.get(tensor.element_size())
-    if integer is None or tensor.is_quantized:
+    if integer is None or not patchable(tensor):
         raise DeltaError(f"{name}: {tensor.dtype} elements cannot be compared bit for bit")
     flat = tensor.reshape(-1)
     return flat.view(torch.uint8) if tensor.dtype == torch.bool else flat.view(integer)

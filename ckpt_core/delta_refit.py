@@ -36,13 +36,14 @@ import dataclasses
 import json
 import struct
 import uuid
-from collections.abc import Generator, Iterable
+from collections.abc import Generator, Iterable, Mapping
+from typing import Any
 
 import torch
 
 from ckpt_core._internal.checksum import payload_checksum
 from ckpt_core._internal.device_checksum import device_payload_checksum
-from ckpt_core.delta import Patch, apply, diff, position_dtype
+from ckpt_core.delta import Patch, apply, copy_bits, diff, patchable, position_dtype
 from ckpt_core.errors import IntegrityError, LifecycleError, WireFormatError
 
 MANIFEST_NAME = "\x00ckpt-engine.delta"
@@ -95,6 +96,10 @@ def tensor_digest(tensor: torch.Tensor) -> int:
     return payload_checksum(data) if data.device.type == "cpu" else device_payload_checksum(data)
 
 
+def _comparable(old: torch.Tensor, new: torch.Tensor) -> bool:
+    return (old.shape, old.dtype, old.device) == (new.shape, new.dtype, new.device)
+
+
 class DeltaSender:
     """The sender's stage for one destination stream (``destination`` names it in errors)."""
 
@@ -120,9 +125,9 @@ class DeltaSender:
                 raise WireFormatError(f"{self.destination}: the sender yields weight {name!r} twice in one refit")
             old = base.tensors.get(name)
             patch = None
-            if old is not None and (old.shape, old.dtype, old.device) == (tensor.shape, tensor.dtype, tensor.device):
+            if old is not None and _comparable(old, tensor) and patchable(tensor):
                 patch = diff(old, tensor, name=name)
-            kept[name] = tensor.detach().clone(memory_format=torch.contiguous_format)
+            kept[name] = copy_bits(tensor.detach())
             if patch is None:
                 stats.whole += 1
                 stats.bytes += tensor.numel() * tensor.element_size()
@@ -154,71 +159,135 @@ class DeltaSender:
 
 
 class DeltaReceiver:
-    """The receiver's stage for one stream (``source`` names the sender in errors)."""
+    """The receiver's stage for one stream (``source`` names the sender in errors): a refit's
+    entries go through :meth:`receive` one by one, in order, then :meth:`end`; or all at once
+    through :meth:`decode`."""
 
     def __init__(self, *, source: str) -> None:
         self.source = source
         self.baseline = Baseline()
         self._pending: Baseline | None = None
+        self._refit: tuple[Baseline, str, dict[str, torch.Tensor]] | None = None  # base, version, kept
         self.last_stats = DeltaStats()
 
     def decode(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Generator[tuple[str, torch.Tensor], None, None]:
-        """The refit's weights, whole, as the sender yielded them. Weights received whole are
-        passed on as received (a copy is kept for the baseline); patched ones are new tensors
-        (the baseline's copy, patched and checked). The weights become the baseline at
-        :meth:`commit`."""
-        self._pending = None
-        stats = self.last_stats = DeltaStats()
-        stream = iter(weights)
-        first = next(stream, None)
-        if first is None or first[0] != MANIFEST_NAME:
-            got = "nothing" if first is None else repr(first[0])
-            raise WireFormatError(f"a delta refit from {self.source} starts with its manifest, got {got}")
-        stats.bytes += first[1].numel()
-        base_version, version = _read_manifest(first[1], self.source)
-        if base_version is not None and base_version != self.baseline.version:
-            raise BaselineMismatchError(
-                f"{self.source} made this refit's patches against weights version {base_version}, but this "
-                f"receiver holds {self.baseline.version}: nothing was applied; the sender must send every "
-                "weight whole"
+        """The refit's weights, whole, as the sender yielded them (:meth:`receive` over
+        ``weights``, then :meth:`end`)."""
+        for name, tensor in weights:
+            entry = self.receive(name, tensor)
+            if entry is not None:
+                yield entry
+        self.end()
+
+    def receive(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """One entry of the refit, as a whole weight: ``None`` for the manifest (the first
+        entry); a weight received whole is passed on as received (this keeps a copy); a patched
+        one is a new tensor (the baseline's copy, patched and checked) that becomes the next
+        baseline itself, so the caller reads it and must not write to it (a write is caught by
+        the digest check of the next patch against it)."""
+        stats = self.last_stats
+        if self._refit is None or name == MANIFEST_NAME:  # a manifest starts a refit, ending any abandoned one
+            self._pending = None
+            stats = self.last_stats = DeltaStats()
+            if name != MANIFEST_NAME:
+                raise WireFormatError(f"a delta refit from {self.source} starts with its manifest, got {name!r}")
+            stats.bytes += tensor.numel()
+            base_version, version = _read_manifest(tensor, self.source)
+            if base_version is not None and base_version != self.baseline.version:
+                raise BaselineMismatchError(
+                    f"{self.source} made this refit's patches against weights version {base_version}, but this "
+                    f"receiver holds {self.baseline.version}: nothing was applied; the sender must send every "
+                    "weight whole"
+                )
+            base = self.baseline if base_version is not None else Baseline()  # a whole refit patches nothing
+            self._refit = (base, version, {})
+            return None
+        base, _, kept = self._refit
+        if not name.endswith(PATCH_SUFFIX):
+            stats.whole += 1
+            stats.bytes += tensor.numel() * tensor.element_size()
+            kept[name] = copy_bits(tensor.detach())
+            return name, tensor
+        name = name.removesuffix(PATCH_SUFFIX)
+        old = base.tensors.get(name)
+        if old is None:
+            raise WireFormatError(f"{self.source} sent a patch of {name!r}, which this receiver does not hold")
+        new = copy_bits(old)
+        patch, digest = _read_patch(tensor, new, name)
+        apply(new, patch, name=name)
+        if tensor_digest(new) != digest:
+            raise IntegrityError(
+                f"{name}: patched from {self.source}'s patch, it does not match the sender's digest of the "
+                "new weight: this receiver's copy differs from the sender's"
             )
-        base = self.baseline if base_version is not None else Baseline()  # a whole refit patches nothing
-        kept: dict[str, torch.Tensor] = {}
-        for name, tensor in stream:
-            if name.endswith(PATCH_SUFFIX):
-                name = name.removesuffix(PATCH_SUFFIX)
-                old = base.tensors.get(name)
-                if old is None:
-                    raise WireFormatError(f"{self.source} sent a patch of {name!r}, which this receiver does not hold")
-                new = old.clone()
-                patch, digest = _read_patch(tensor, new, name)
-                apply(new, patch, name=name)
-                if tensor_digest(new) != digest:
-                    raise IntegrityError(
-                        f"{name}: patched from {self.source}'s patch, it does not match the sender's digest of the "
-                        "new weight: this receiver's copy differs from the sender's"
-                    )
-                stats.patched += 1
-                stats.changed_elements += patch.changed
-                stats.patched_elements += new.numel()
-                stats.bytes += tensor.numel()
-                kept[name] = new
-                yield name, new
-            else:
-                stats.whole += 1
-                stats.bytes += tensor.numel() * tensor.element_size()
-                kept[name] = tensor.detach().clone(memory_format=torch.contiguous_format)
-                yield name, tensor
-        self._pending = Baseline(kept, version)
+        stats.patched += 1
+        stats.changed_elements += patch.changed
+        stats.patched_elements += new.numel()
+        stats.bytes += tensor.numel()
+        kept[name] = new
+        return name, new
+
+    def end(self) -> None:
+        """Every entry of the refit was received: its weights are the next baseline, at
+        :meth:`commit`. ``WireFormatError`` if not even the manifest came."""
+        if self._refit is None:
+            raise WireFormatError(f"a delta refit from {self.source} starts with its manifest, got nothing")
+        _, version, kept = self._refit
+        self._refit, self._pending = None, Baseline(kept, version)
 
     def commit(self) -> None:
-        """The refit :meth:`decode` yielded completed: its weights are the baseline now."""
+        """The refit received to its :meth:`end` completed: its weights are the baseline now."""
         if self._pending is None:
             raise LifecycleError(f"from {self.source}: no decoded refit to commit")
         self.baseline, self._pending = self._pending, None
 
     def discard(self) -> None:
-        self._pending = None
+        """The refit failed (or was not committed): the baseline stays; the next entry
+        received starts a new refit."""
+        self._refit = self._pending = None
+
+
+class DeltaState:
+    """What an engine with delta refits keeps across refits and re-inits (``finalize()`` and
+    ``prepare()`` again): a :class:`DeltaSender` per destination stream it sends to, keyed by
+    the stream's rollout ranks, and its own :class:`DeltaReceiver`. Its receiver's baseline
+    version travels in the engine's ``prepare()`` metadata (:meth:`metadata`); a policy engine
+    checks each destination's at init (:meth:`connect`)."""
+
+    METADATA_KEY = "delta_baseline"
+
+    def __init__(self) -> None:
+        self.senders: dict[tuple[int, ...], DeltaSender] = {}
+        self.receiver = DeltaReceiver(source="the policy")
+
+    def metadata(self) -> dict[str, str | None]:
+        return {self.METADATA_KEY: self.receiver.baseline.version}
+
+    def connect(self, streams: Mapping[tuple[int, ...], str], reported: Mapping[int, Any]) -> None:
+        """The streams of this init (rollout ranks -> how messages name them) and the baseline
+        version each rollout rank reported: a stream's sender keeps its baseline only if every
+        rank of the stream holds that version (else its next refit is whole); senders of
+        streams no longer sent to are dropped, with their memory."""
+        senders = {}
+        for ranks, label in streams.items():
+            sender = self.senders.get(ranks) or DeltaSender(destination=label)
+            if any(reported.get(rank) != sender.baseline.version for rank in ranks):
+                sender.forget()
+            senders[ranks] = sender
+        self.senders = senders
+
+    def commit_senders(self) -> None:
+        for sender in self.senders.values():
+            sender.commit()
+
+    def discard_senders(self) -> None:
+        for sender in self.senders.values():
+            sender.discard()
+
+    @property
+    def baseline_bytes(self) -> int:
+        """Bytes held: every sender's baseline and the receiver's."""
+        return sum(s.baseline.nbytes for s in self.senders.values()) + self.receiver.baseline.nbytes
 
 
 def _manifest(base: str | None, version: str) -> torch.Tensor:

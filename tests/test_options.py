@@ -43,6 +43,7 @@ def test_subclasses_inherit_extend_and_narrow_the_schema() -> None:
         "release_after_refit",
         "shard_expert_weights",
         "quantize_for_rollout",
+        "delta",
         "borrow_received_tensors",
     ]
     assert DistributedEngine.options.names() == [*base, "topology", "host", "auth_token"]
@@ -159,6 +160,7 @@ def test_agreed_settings_are_the_schemas_agreed_options() -> None:
         "checksum": False,
         "shard_expert_weights": False,
         "quantize_for_rollout": False,
+        "delta": False,
         "flavour": "spicy",
     }
     gloo = GlooCpuCheckpointEngine(bucket_size=64, topology="fanout")

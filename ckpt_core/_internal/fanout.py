@@ -81,6 +81,8 @@ class Destination:
     sender: BucketSender
     select: Select
     finish: Callable[[], None] = lambda: None
+    encode: Callable[[Iterable[tuple[str, torch.Tensor]]], Iterable[tuple[str, torch.Tensor]]] | None = None
+    """A stage over the stream's selected weights, run on its send thread (delta refits)."""
 
 
 class _Stream:
@@ -222,8 +224,9 @@ def _run_stream(
     send_options: dict[str, Any],
 ) -> None:
     try:
+        encode = stream.destination.encode
         stream.stats = send(
-            stream.weights(),
+            stream.weights() if encode is None else encode(stream.weights()),
             stream.destination.sender,
             context=context,
             notifier=notifier,

@@ -15,6 +15,7 @@ import torch
 
 from ckpt_core import layout
 from ckpt_core._internal.dtypes import dtype_name, transferable_dtypes
+from ckpt_core.delta import copy_bits
 
 Weights = Iterator[tuple[str, torch.Tensor]]
 
@@ -49,6 +50,24 @@ def every_dtype(params: dict[str, Any], *, refit_index: int, rank: int) -> Weigh
     yield "noncontiguous.transposed", random_tensor((7, 5), torch.float32, g).t()
     yield "noncontiguous.strided", random_tensor((40,), torch.bfloat16, g)[::3]
     yield "float8.e4m3fn", random_tensor((33,), torch.float8_e4m3fn, g)
+
+
+def drifting(params: dict[str, Any], *, refit_index: int, rank: int) -> Weights:
+    """:func:`every_dtype`'s tensors (made contiguous) at refit 0; at each later refit, the
+    lowest bit of a fraction of every tensor's elements flipped, on top of the refits before:
+    the small steps delta refits are for. ``params["fractions"]`` are the fractions of refits
+    1, 2, ... in turn (default 0, 0.0001, 0.01, 0.1 and 1)."""
+    fractions = [float(f) for f in params.get("fractions", [0.0, 0.0001, 0.01, 0.1, 1.0])]
+    tensors = [(name, copy_bits(t)) for name, t in every_dtype(params, refit_index=0, rank=rank)]
+    for step in range(1, refit_index + 1):
+        g = _generator(params, step, rank)
+        fraction = fractions[(step - 1) % len(fractions)]
+        for _, tensor in tensors:
+            count = round(tensor.numel() * fraction)
+            if count:
+                elements = tensor.reshape(-1).view(torch.uint8).view(tensor.numel(), tensor.element_size())
+                elements[torch.randperm(tensor.numel(), generator=g)[:count], 0] ^= 1
+    yield from tensors
 
 
 def sized(params: dict[str, Any], *, refit_index: int, rank: int) -> Weights:

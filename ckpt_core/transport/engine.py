@@ -37,6 +37,7 @@ from ckpt_core._internal.pipeline import Checksum, ReceiveMemo, RefitCancelled, 
 from ckpt_core._internal.replay import PackingRecord
 from ckpt_core._internal.wire import FORMAT_VERSION
 from ckpt_core.contract import CheckpointEngine
+from ckpt_core.delta_refit import DeltaReceiver, DeltaState
 from ckpt_core.errors import (
     EngineOptionError,
     InvalidArgumentError,
@@ -95,7 +96,7 @@ class BucketedEngine(CheckpointEngine):
       rank's layout is checked at init (bounds, overlaps, one model, nothing lost), the caller
       sends full weights, and each destination receives only the parts its layout keeps.
 
-    And two of this library's:
+    And three of this library's:
 
     * ``quantize_for_rollout`` (default off): on a policy worker, each weight the destination
       names in its ``"weight_quantization"`` (:mod:`ckpt_core.quantize`; a rollout that serves
@@ -103,6 +104,13 @@ class BucketedEngine(CheckpointEngine):
       FP8 bytes followed by its scale, made with the rollout's own arithmetic
       (:mod:`ckpt_core.fp8`), before layouts select (a layout then names the scales too). Every
       destination of one policy rank must hold the same quantization.
+    * ``delta`` (default off): each weight travels as a patch of the elements whose bits
+      changed since the last refit its destination completed, where that is fewer bytes than
+      the whole weight (:mod:`ckpt_core.delta_refit`, after quantizing and layouts: patches of
+      what each destination keeps); the receiver hands out whole weights. Each side keeps a
+      copy of every weight it sent or received (kept across ``finalize()``): a rollout reports
+      the version it holds in its ``prepare()`` metadata, and a sender whose destination holds
+      another (a restarted rollout, a failed refit) sends every weight whole.
     * ``borrow_received_tensors`` (default off): a tensor that arrived whole inside one bucket
       is handed out as a view of the transport's bucket buffer instead of a copy (tensors that
       spanned buckets or move to ``merge_device`` stay copies; the rollout says in its
@@ -171,6 +179,14 @@ class BucketedEngine(CheckpointEngine):
             agreed=True,
         ),
         Option.flag(
+            "delta",
+            False,
+            "each weight is sent as a patch of the elements that changed since the refit its "
+            "destination last completed, where fewer bytes (ckpt_core.delta_refit); both sides "
+            "keep a copy of every weight",
+            agreed=True,
+        ),
+        Option.flag(
             "borrow_received_tensors",
             False,
             "rollout side: whole tensors arrive as views of the bucket buffer (no copy), valid "
@@ -216,6 +232,9 @@ class BucketedEngine(CheckpointEngine):
         self.shard_expert_weights: bool = values.shard_expert_weights
         self.borrow_received_tensors: bool = values.borrow_received_tensors
         self.quantize_for_rollout: bool = values.quantize_for_rollout
+        self.delta: bool = values.delta
+        # With delta: the baselines, kept across finalize() (they are the option's point).
+        self._delta: DeltaState | None = DeltaState() if self.delta else None
         # With quantize_for_rollout: what the destinations hold quantized, and how messages name them.
         self._quantization: tuple[QuantizationSpec, str] | None = None
         self._target_layout: dict[str, Any] | None = None
@@ -314,6 +333,8 @@ class BucketedEngine(CheckpointEngine):
         metadata[AGREED_KEY] = self._agreed_settings()
         if self.borrow_received_tensors:  # as a rollout: senders then pack every byte (see init)
             metadata[BORROWS_KEY] = True
+        if self._delta is not None:  # as a rollout: the version its senders' patches must be made against
+            metadata.update(self._delta.metadata())
         transport = self._prepare_transport()
         clash = sorted(set(transport) & set(metadata))
         if clash:
@@ -332,6 +353,8 @@ class BucketedEngine(CheckpointEngine):
         checked = self._check_metadata(worker_rank, worker_rank, train_world_size, rollout_world_size, metadata)
         layout = self._destination_layout(worker_rank, train_world_size, rollout_world_size, checked)
         self._quantization = self._destination_quantization(worker_rank, train_world_size, rollout_world_size, checked)
+        if self._delta is not None:
+            self._connect_delta(worker_rank, train_world_size, rollout_world_size, checked)
         self._sender = self._connect_policy(worker_rank, train_world_size, rollout_world_size, checked)
         self._target_layout = layout
         # A rollout that borrows can lend only bytes that arrived in its buffers: a direct
@@ -466,6 +489,22 @@ class BucketedEngine(CheckpointEngine):
         label = f"rollout rank {destinations[0]}" if len(destinations) == 1 else f"rollout ranks {destinations}"
         return specs[0], label
 
+    def _connect_delta(
+        self, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> None:
+        """With ``delta``: this init's destination streams, each keeping its baseline only where
+        every destination reports holding it (:meth:`DeltaState.connect`)."""
+        assert self._delta is not None
+        destinations = self._destinations(worker_rank, train_world_size, rollout_world_size)
+        streams: dict[tuple[int, ...], str] = {}
+        if self._separate_streams():
+            streams = {(rank,): f"rollout rank {rank}" for rank in destinations}
+        elif destinations:
+            label = f"rollout rank {destinations[0]}" if len(destinations) == 1 else f"rollout ranks {destinations}"
+            streams = {tuple(destinations): label}
+        reported = {rank: metadata[train_world_size + rank].get(DeltaState.METADATA_KEY) for rank in destinations}
+        self._delta.connect(streams, reported)
+
     def _checked_layouts(
         self, train_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
     ) -> dict[int, WeightLayout]:
@@ -484,11 +523,12 @@ class BucketedEngine(CheckpointEngine):
         streams = {}
         for rank, sender in senders.items():
             chosen = self._selection.get(rank)
+            encode = self._delta.senders[(rank,)].encode if self._delta is not None else None
             if chosen is None:
-                streams[rank] = Destination(sender, lambda name, tensor: tensor)
+                streams[rank] = Destination(sender, lambda name, tensor: tensor, encode=encode)
             else:
                 selector = LayoutSelector(chosen[0], destination=chosen[1])
-                streams[rank] = Destination(sender, selector.select, selector.finish)
+                streams[rank] = Destination(sender, selector.select, selector.finish, encode=encode)
         return streams
 
     def _drop_transport(self) -> None:
@@ -592,6 +632,9 @@ class BucketedEngine(CheckpointEngine):
                         if self._selection:
                             layout, destination = next(iter(self._selection.values()))
                             weights = select_weights(weights, layout, destination=destination)
+                        if self._delta is not None:  # after layouts: patches of what the destination keeps
+                            (delta,) = self._delta.senders.values()
+                            weights = delta.encode(weights)
                         self.last_stats = await runner.run(
                             functools.partial(
                                 send_refit,
@@ -608,9 +651,13 @@ class BucketedEngine(CheckpointEngine):
                 finally:
                     await runner.stop()  # the transport is never dropped under a running step
             except BaseException as exc:
+                if self._delta is not None:
+                    self._delta.discard_senders()
                 self._raise_if_cut_off(generation, "send_weights()", exc)
                 self._fail()
                 raise
+            if self._delta is not None:
+                self._delta.commit_senders()
             self._refit_index += 1
 
     async def receive_weight_batches(self) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
@@ -655,6 +702,8 @@ class BucketedEngine(CheckpointEngine):
                 memo=self._receive_memo,
                 cancel=cancel,
             )
+            if self._delta is not None:
+                batches = _decoded(batches, self._delta.receiver)
             runner = self._refit_thread("rollout", cancel=cancel, on_idle=batches.close)
             step = functools.partial(next, batches, None)
             try:
@@ -669,10 +718,15 @@ class BucketedEngine(CheckpointEngine):
                 raise
             finally:
                 if completed:
+                    if self._delta is not None:
+                        self._delta.receiver.commit()
                     self.last_stats = stats
                     self._refit_index += 1
-                elif generation == self._generation:
-                    self._fail()
+                else:
+                    if self._delta is not None:
+                        self._delta.receiver.discard()
+                    if generation == self._generation:
+                        self._fail()
 
     # --- checks ------------------------------------------------------------------------
 
@@ -776,6 +830,21 @@ def _document_options(cls: type[Any]) -> None:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _decoded(
+    batches: Generator[list[tuple[str, torch.Tensor]], None, None], receiver: DeltaReceiver
+) -> Generator[list[tuple[str, torch.Tensor]], None, None]:
+    """``batches`` of a delta refit as whole weights (the manifest dropped, patches applied);
+    closing this closes ``batches``."""
+    try:
+        for batch in batches:
+            decoded = [entry for entry in (receiver.receive(name, tensor) for name, tensor in batch) if entry]
+            if decoded:
+                yield decoded
+        receiver.end()
+    finally:
+        batches.close()
 
 
 def _drain(weights: Iterable[tuple[str, torch.Tensor]], cancel: threading.Event) -> None:
