@@ -4,7 +4,9 @@ failed refit or a layout change never yields a wrong weight."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -118,9 +120,6 @@ def test_a_receiver_that_fails_after_its_sender_completed_gets_a_whole_refit(
     policy, rollout = pair
     refit_ok(policy, rollout, version(0))
     weights = version(2)
-    import asyncio
-    import threading
-
     errors: list[BaseException] = []
 
     def send() -> None:

@@ -56,10 +56,11 @@ def drifting(params: dict[str, Any], *, refit_index: int, rank: int) -> Weights:
     """:func:`every_dtype`'s tensors (made contiguous) at refit 0; at each later refit, the
     lowest bit of a fraction of every tensor's elements flipped, on top of the refits before:
     the small steps delta refits are for. ``params["fractions"]`` are the fractions of refits
-    1, 2, ... in turn (default 0, 0.0001, 0.01, 0.1 and 1)."""
+    1, 2, ... in turn (default 0, 0.0001, 0.01, 0.1 and 1); ``params["version"]``, where
+    given, replaces ``refit_index`` (a run of refits that goes on across re-inits)."""
     fractions = [float(f) for f in params.get("fractions", [0.0, 0.0001, 0.01, 0.1, 1.0])]
     tensors = [(name, copy_bits(t)) for name, t in every_dtype(params, refit_index=0, rank=rank)]
-    for step in range(1, refit_index + 1):
+    for step in range(1, int(params.get("version", refit_index)) + 1):
         g = _generator(params, step, rank)
         fraction = fractions[(step - 1) % len(fractions)]
         for _, tensor in tensors:
