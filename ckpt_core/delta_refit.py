@@ -7,9 +7,10 @@ Each side keeps a :class:`Baseline`: a copy of every weight of the last refit it
 with that refit's version (a token the sender draws for each refit). A refit through
 :meth:`DeltaSender.encode` and :meth:`DeltaReceiver.decode` carries, first, a manifest naming
 the version its patches were made against and the version it makes; then each weight either
-whole, under its own name, or as a patch, under ``<name>`` + :data:`PATCH_SUFFIX`: one
-``uint8`` tensor holding the new weight's digest (8 bytes, little-endian), the patch's
-positions and its values (the receiver knows their widths from its copy of the weight).
+whole, under its own name, or, where that is fewer bytes, as a patch, under ``<name>`` +
+:data:`PATCH_SUFFIX`: one ``uint8`` tensor holding the new weight's digest (8 bytes,
+little-endian), the patch's positions and its values (the receiver knows their widths from
+its copy of the weight).
 
 What it guarantees:
 
@@ -45,6 +46,7 @@ from ckpt_core._internal.checksum import payload_checksum
 from ckpt_core._internal.device_checksum import device_payload_checksum
 from ckpt_core.delta import Patch, apply, copy_bits, diff, patchable, position_dtype
 from ckpt_core.errors import IntegrityError, LifecycleError, WireFormatError
+from ckpt_core.stats import RefitStats
 
 MANIFEST_NAME = "\x00ckpt-engine.delta"
 """The name of a delta refit's first entry (a ``uint8`` tensor of JSON); no weight has it."""
@@ -72,23 +74,6 @@ class Baseline:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-@dataclasses.dataclass
-class DeltaStats:
-    """One refit's delta, as one side saw it: weights sent whole and as patches, the elements
-    the patches changed, and the bytes the weights moved in (manifest included)."""
-
-    whole: int = 0
-    patched: int = 0
-    changed_elements: int = 0
-    patched_elements: int = 0  # of the weights sent as patches, all their elements
-    bytes: int = 0
-
-    @property
-    def fraction_patched(self) -> float:
-        weights = self.whole + self.patched
-        return self.patched / weights if weights else 0.0
-
-
 def tensor_digest(tensor: torch.Tensor) -> int:
     """A 64-bit digest of ``tensor``'s bytes (xxh3 on the host, ckpt-engine's device digest
     elsewhere): what a patched weight is checked against."""
@@ -107,17 +92,16 @@ class DeltaSender:
         self.destination = destination
         self.baseline = Baseline()
         self._pending: Baseline | None = None
-        self.last_stats = DeltaStats()
 
-    def encode(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Generator[tuple[str, torch.Tensor], None, None]:
+    def encode(
+        self, weights: Iterable[tuple[str, torch.Tensor]], stats: RefitStats
+    ) -> Generator[tuple[str, torch.Tensor], None, None]:
         """``weights`` as this refit sends them: the manifest, then each weight whole or as a
-        patch against the baseline. The weights become the next baseline at :meth:`commit`."""
+        patch against the baseline, counted into ``stats`` (its delta fields) as they go. The
+        weights become the next baseline at :meth:`commit`."""
         base = self.baseline
         version = uuid.uuid4().hex
-        stats = self.last_stats = DeltaStats()
-        manifest = _manifest(base.version, version)
-        stats.bytes += manifest.numel()
-        yield MANIFEST_NAME, manifest
+        yield MANIFEST_NAME, _manifest(base.version, version)
         kept: dict[str, torch.Tensor] = {}
         self._pending = None
         for name, tensor in weights:
@@ -128,16 +112,13 @@ class DeltaSender:
             if old is not None and _comparable(old, tensor) and patchable(tensor):
                 patch = diff(old, tensor, name=name)
             kept[name] = copy_bits(tensor.detach())
-            if patch is None:
-                stats.whole += 1
-                stats.bytes += tensor.numel() * tensor.element_size()
+            stats.delta_tensors += 1
+            blob = None if patch is None else _patch_blob(tensor_digest(kept[name]), patch)
+            if blob is None or blob.numel() >= tensor.numel() * tensor.element_size():  # the digest's 8 bytes too
                 yield name, tensor
             else:
-                blob = _patch_blob(tensor_digest(kept[name]), patch)
-                stats.patched += 1
-                stats.changed_elements += patch.changed
-                stats.patched_elements += tensor.numel()
-                stats.bytes += blob.numel()
+                assert patch is not None
+                _count_patch(stats, patch, tensor)
                 yield name + PATCH_SUFFIX, blob
         self._pending = Baseline(kept, version)
 
@@ -168,30 +149,29 @@ class DeltaReceiver:
         self.baseline = Baseline()
         self._pending: Baseline | None = None
         self._refit: tuple[Baseline, str, dict[str, torch.Tensor]] | None = None  # base, version, kept
-        self.last_stats = DeltaStats()
 
-    def decode(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Generator[tuple[str, torch.Tensor], None, None]:
+    def decode(
+        self, weights: Iterable[tuple[str, torch.Tensor]], stats: RefitStats
+    ) -> Generator[tuple[str, torch.Tensor], None, None]:
         """The refit's weights, whole, as the sender yielded them (:meth:`receive` over
         ``weights``, then :meth:`end`)."""
         for name, tensor in weights:
-            entry = self.receive(name, tensor)
+            entry = self.receive(name, tensor, stats)
             if entry is not None:
                 yield entry
         self.end()
 
-    def receive(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-        """One entry of the refit, as a whole weight: ``None`` for the manifest (the first
-        entry); a weight received whole is passed on as received (this keeps a copy); a patched
-        one is a new tensor (the baseline's copy, patched and checked) that becomes the next
-        baseline itself, so the caller reads it and must not write to it (a write is caught by
-        the digest check of the next patch against it)."""
-        stats = self.last_stats
+    def receive(self, name: str, tensor: torch.Tensor, stats: RefitStats) -> tuple[str, torch.Tensor] | None:
+        """One entry of the refit, as a whole weight, counted into ``stats`` (its delta
+        fields): ``None`` for the manifest (the first entry); a weight received whole is passed
+        on as received (this keeps a copy); a patched one is a new tensor (the baseline's copy,
+        patched and checked) that becomes the next baseline itself, so the caller reads it and
+        must not write to it (a write is caught by the digest check of the next patch against
+        it)."""
         if self._refit is None or name == MANIFEST_NAME:  # a manifest starts a refit, ending any abandoned one
             self._pending = None
-            stats = self.last_stats = DeltaStats()
             if name != MANIFEST_NAME:
                 raise WireFormatError(f"a delta refit from {self.source} starts with its manifest, got {name!r}")
-            stats.bytes += tensor.numel()
             base_version, version = _read_manifest(tensor, self.source)
             if base_version is not None and base_version != self.baseline.version:
                 raise BaselineMismatchError(
@@ -203,9 +183,8 @@ class DeltaReceiver:
             self._refit = (base, version, {})
             return None
         base, _, kept = self._refit
+        stats.delta_tensors += 1
         if not name.endswith(PATCH_SUFFIX):
-            stats.whole += 1
-            stats.bytes += tensor.numel() * tensor.element_size()
             kept[name] = copy_bits(tensor.detach())
             return name, tensor
         name = name.removesuffix(PATCH_SUFFIX)
@@ -220,10 +199,7 @@ class DeltaReceiver:
                 f"{name}: patched from {self.source}'s patch, it does not match the sender's digest of the "
                 "new weight: this receiver's copy differs from the sender's"
             )
-        stats.patched += 1
-        stats.changed_elements += patch.changed
-        stats.patched_elements += new.numel()
-        stats.bytes += tensor.numel()
+        _count_patch(stats, patch, new)
         kept[name] = new
         return name, new
 
@@ -288,6 +264,12 @@ class DeltaState:
     def baseline_bytes(self) -> int:
         """Bytes held: every sender's baseline and the receiver's."""
         return sum(s.baseline.nbytes for s in self.senders.values()) + self.receiver.baseline.nbytes
+
+
+def _count_patch(stats: RefitStats, patch: Patch, weight: torch.Tensor) -> None:
+    stats.patched_tensors += 1
+    stats.patched_elements += weight.numel()
+    stats.changed_elements += patch.changed
 
 
 def _manifest(base: str | None, version: str) -> torch.Tensor:

@@ -41,6 +41,15 @@ class RefitStats:
     unpack_seconds: float = 0.0
     """Receiver: reassembling tensors from buckets. Sender: 0."""
     checksum_seconds: float = 0.0
+    delta_tensors: int = 0
+    """Delta refits (the ``delta`` option): the refit's weights, whole or as patches
+    (``tensors`` counts what moved, the refit's manifest too). 0 without delta."""
+    patched_tensors: int = 0
+    """Delta refits: the weights that moved as patches (the rest of ``delta_tensors`` whole)."""
+    patched_elements: int = 0
+    """Delta refits: the elements of the weights that moved as patches."""
+    changed_elements: int = 0
+    """Delta refits: of ``patched_elements``, those whose bits changed (what the patches carry)."""
 
     @classmethod
     def combined(cls, parts: Iterable[RefitStats]) -> RefitStats:
@@ -61,5 +70,10 @@ class RefitStats:
         """Payload throughput in GB/s (1e9 bytes per second)."""
         return self.payload_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
+    @property
+    def fraction_patched(self) -> float:
+        """Delta refits: the fraction of the weights that moved as patches (0.0 without delta)."""
+        return self.patched_tensors / self.delta_tensors if self.delta_tensors else 0.0
+
     def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "gbps": self.gbps}
+        return {**dataclasses.asdict(self), "gbps": self.gbps, "fraction_patched": self.fraction_patched}

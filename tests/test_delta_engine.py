@@ -13,9 +13,12 @@ from typing import Any
 import pytest
 import torch
 
+import ckpt_core
 from ckpt_core.delta import patchable
 from ckpt_core.errors import EngineOptionError
+from ckpt_core.hooks import plugin_manager
 from ckpt_core.layout import WeightLayout, slices, whole
+from ckpt_core.stats import RefitContext, RefitStats
 from ckpt_core.testing.in_process import InProcessEngine, RefitOutcome, run_refit
 from ckpt_core.testing.weights import drifting
 
@@ -79,6 +82,43 @@ def test_twenty_refits_arrive_bit_for_bit_and_small_changes_move_few_bytes(
             assert moved < unpatchable + 0.1 * (whole_bytes - unpatchable), (k, moved, whole_bytes)
         if fraction == 1.0:
             assert moved >= whole_bytes, (k, moved)  # no patch is smaller: whole again
+
+
+class FinishedStats:
+    """A hook plugin keeping each role's statistics as its ``refit_finished`` hook saw them."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, dict[str, Any]] = {}
+
+    @ckpt_core.hookimpl
+    def ckpt_core_refit_finished(self, context: RefitContext, stats: RefitStats) -> None:
+        self.seen[context.role] = stats.to_dict()
+
+
+def test_statistics_and_hooks_report_the_patches(pair: tuple[InProcessEngine, InProcessEngine]) -> None:
+    """A refit that changed 1% of every weight: both sides' statistics, as the hooks see them
+    when the refit finishes, count every weight, the patched ones, and exactly the elements
+    that changed."""
+    policy, rollout = pair
+    for k in range(3):
+        refit_ok(policy, rollout, version(k))
+    weights = version(3)  # 1% of each weight's elements changed since version 2
+    changed = sum(round(t.numel() * 0.01) for _, t in weights if patchable(t))
+    observer = FinishedStats()
+    plugin_manager().register(observer)
+    try:
+        refit_ok(policy, rollout, weights)
+    finally:
+        plugin_manager().unregister(observer)
+    for role in ("policy", "rollout"):
+        stats = observer.seen[role]
+        assert stats["delta_tensors"] == len(weights) and stats["tensors"] == len(weights) + 1, (role, stats)
+        assert stats["changed_elements"] == changed, (role, stats)
+        # Where a patch (its 8-byte digest included) is fewer bytes than the weight.
+        assert stats["patched_tensors"] == sum(1 for _, t in weights if patchable(t) and t.nbytes > 8), (role, stats)
+        assert stats["fraction_patched"] == stats["patched_tensors"] / len(weights)
+        assert stats["patched_elements"] >= 100 * changed
+    assert policy.last_stats is not None and policy.last_stats.to_dict() == observer.seen["policy"]
 
 
 def test_a_restarted_rollout_gets_every_weight_whole_then_patches_again(

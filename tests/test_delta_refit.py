@@ -18,6 +18,7 @@ from ckpt_core.delta_refit import (
     DeltaSender,
 )
 from ckpt_core.errors import IntegrityError, LifecycleError, WireFormatError
+from ckpt_core.stats import RefitStats
 from ckpt_core.testing.in_process import connected_pair, run_refit
 
 # Each refit changes this fraction of every weight's elements, in turn.
@@ -55,9 +56,26 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
-def refit(sender: DeltaSender, receiver: DeltaReceiver, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One refit through both stages (as the pipeline would carry it), committed on both."""
-    received = {name: tensor.clone() for name, tensor in receiver.decode(sender.encode(iter(weights.items())))}
+def carried(entries: Iterator[tuple[str, torch.Tensor]], stats: RefitStats) -> Iterator[tuple[str, torch.Tensor]]:
+    """``entries`` as a pipeline carries them, counting what it counts: entries and bytes."""
+    for name, tensor in entries:
+        stats.tensors += 1
+        stats.payload_bytes += tensor.numel() * tensor.element_size()
+        yield name, tensor
+
+
+def refit(
+    sender: DeltaSender,
+    receiver: DeltaReceiver,
+    weights: dict[str, torch.Tensor],
+    sent: RefitStats | None = None,
+    got: RefitStats | None = None,
+) -> dict[str, torch.Tensor]:
+    """One refit through both stages (as the pipeline would carry it), committed on both; each
+    side's account in ``sent`` and ``got``."""
+    sent, got = sent or RefitStats(), got or RefitStats()
+    entries = carried(sender.encode(iter(weights.items()), sent), sent)
+    received = {name: tensor.clone() for name, tensor in receiver.decode(entries, got)}
     sender.commit()
     receiver.commit()
     return received
@@ -74,19 +92,24 @@ def test_twenty_refits_in_a_row_arrive_bit_for_bit_and_small_changes_travel_as_p
     generator = torch.Generator().manual_seed(0)
     sender, receiver = DeltaSender(destination="rollout 0"), DeltaReceiver(source="policy 0")
     weights = model(generator)
-    assert_same(refit(sender, receiver, weights), weights)
-    assert sender.last_stats.patched == 0  # nothing to patch against yet
+    stats = RefitStats()
+    assert_same(refit(sender, receiver, weights, stats), weights)
+    assert stats.patched_tensors == 0 and stats.delta_tensors == len(weights)  # nothing to patch against yet
     for k in range(20):
         fraction = FRACTIONS[k % len(FRACTIONS)]
         weights = step(weights, fraction, generator)
-        assert_same(refit(sender, receiver, weights), weights)
-        stats = sender.last_stats
-        assert receiver.last_stats == stats
+        stats, got = RefitStats(), RefitStats()
+        assert_same(refit(sender, receiver, weights, stats, got), weights)
+        delta_fields = ("delta_tensors", "patched_tensors", "patched_elements", "changed_elements")
+        assert [getattr(got, f) for f in delta_fields] == [getattr(stats, f) for f in delta_fields]
+        assert stats.tensors == stats.delta_tensors + 1  # and the manifest
         whole_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+        changed = sum(round(t.numel() * fraction) for t in weights.values() if t.numel() > 1)
         if fraction <= 0.01:
-            assert stats.patched >= 6 and stats.bytes < 0.1 * whole_bytes, stats
+            assert stats.patched_tensors >= 6 and stats.payload_bytes < 0.1 * whole_bytes, stats
+            assert stats.changed_elements == changed, (stats, changed)
         if fraction == 1.0:
-            assert stats.patched <= 2 and stats.bytes >= whole_bytes, stats  # 0-d and empty: empty patches
+            assert stats.patched_tensors == 0 and stats.payload_bytes >= whole_bytes, stats
     assert sender.baseline.version == receiver.baseline.version
     assert sender.baseline.nbytes == receiver.baseline.nbytes == sum(t.nbytes for t in weights.values())
 
@@ -98,7 +121,7 @@ def test_a_refit_that_fails_midway_leaves_both_baselines_as_they_were() -> None:
     refit(sender, receiver, weights)
     held = sender.baseline
     failed = step(weights, 0.01, generator)
-    stream = receiver.decode(sender.encode(iter(failed.items())))
+    stream = receiver.decode(sender.encode(iter(failed.items()), RefitStats()), RefitStats())
     for _ in range(3):
         next(stream)
     stream.close()  # the transport failed after three weights
@@ -107,9 +130,9 @@ def test_a_refit_that_fails_midway_leaves_both_baselines_as_they_were() -> None:
     with pytest.raises(LifecycleError, match="no decoded refit to commit"):
         receiver.commit()
     assert sender.baseline is held
-    later = step(failed, 0.01, generator)
-    assert_same(refit(sender, receiver, later), later)
-    assert sender.last_stats.patched >= 6
+    later, stats = step(failed, 0.01, generator), RefitStats()
+    assert_same(refit(sender, receiver, later, stats), later)
+    assert stats.patched_tensors >= 6
 
 
 def test_a_receiver_holding_another_version_refuses_the_patches_and_a_whole_refit_recovers() -> None:
@@ -125,19 +148,20 @@ def test_a_receiver_holding_another_version_refuses_the_patches_and_a_whole_refi
         if restarted:
             receiver = DeltaReceiver(source="policy 0")
         else:  # the sender committed a refit its receiver did not
-            list(sender.encode(iter(weights.items())))
+            list(sender.encode(iter(weights.items()), RefitStats()))
             sender.commit()
             weights = step(weights, 0.01, generator)
         held = receiver.baseline
         with pytest.raises(BaselineMismatchError, match="nothing was applied"):
-            next(receiver.decode(sender.encode(iter(weights.items()))))
+            next(receiver.decode(sender.encode(iter(weights.items()), RefitStats()), RefitStats()))
         assert receiver.baseline is held
         sender.forget()
-        assert_same(refit(sender, receiver, weights), weights)
-        assert sender.last_stats.patched == 0
-        weights = step(weights, 0.01, generator)
-        assert_same(refit(sender, receiver, weights), weights)
-        assert sender.last_stats.patched >= 6
+        stats = RefitStats()
+        assert_same(refit(sender, receiver, weights, stats), weights)
+        assert stats.patched_tensors == 0
+        weights, stats = step(weights, 0.01, generator), RefitStats()
+        assert_same(refit(sender, receiver, weights, stats), weights)
+        assert stats.patched_tensors >= 6
 
 
 def test_a_patch_that_does_not_give_the_senders_weight_is_an_integrity_error() -> None:
@@ -147,7 +171,7 @@ def test_a_patch_that_does_not_give_the_senders_weight_is_an_integrity_error() -
     refit(sender, receiver, weights)
     receiver.baseline.tensors["fp32"][7] += 1  # the receiver's copy went wrong
     with pytest.raises(IntegrityError, match="fp32: patched from policy 0's patch, it does not match"):
-        list(receiver.decode(sender.encode(iter(step(weights, 0.01, generator).items()))))
+        list(receiver.decode(sender.encode(iter(step(weights, 0.01, generator).items()), RefitStats()), RefitStats()))
 
 
 def test_weights_that_change_shape_or_appear_travel_whole_and_dropped_ones_leave_the_baseline() -> None:
@@ -159,7 +183,7 @@ def test_weights_that_change_shape_or_appear_travel_whole_and_dropped_ones_leave
     changed["bf16"] = changed["bf16"][:64]  # another layout's shard
     changed["new"] = torch.ones(10)
     del changed["fp32"]
-    names = [name for name, _ in sender.encode(iter(changed.items()))]
+    names = [name for name, _ in sender.encode(iter(changed.items()), RefitStats())]
     sender.discard()
     assert "bf16" in names and "new" in names and "fp16" + PATCH_SUFFIX in names
     assert_same(refit(sender, receiver, changed), changed)
@@ -173,12 +197,12 @@ def test_received_whole_weights_are_kept_by_copy() -> None:
     buffer = torch.arange(8, dtype=torch.float32)
 
     def lent() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in sender.encode(iter({"w": buffer.clone()}.items())):
+        for name, tensor in sender.encode(iter({"w": buffer.clone()}.items()), RefitStats()):
             yield name, tensor
             if name == "w":
                 tensor.zero_()  # refilled once the next batch is asked for
 
-    list(receiver.decode(lent()))
+    list(receiver.decode(lent(), RefitStats()))
     sender.commit()
     receiver.commit()
     assert torch.equal(receiver.baseline.tensors["w"], torch.arange(8, dtype=torch.float32))
@@ -194,16 +218,16 @@ def test_received_whole_weights_are_kept_by_copy() -> None:
 )
 def test_a_stream_without_a_good_manifest_is_refused(first: tuple[str, torch.Tensor] | None, said: str) -> None:
     with pytest.raises(WireFormatError, match=said):
-        list(DeltaReceiver(source="policy 0").decode(iter([first] if first else [])))
+        list(DeltaReceiver(source="policy 0").decode(iter([first] if first else []), RefitStats()))
 
 
 def test_a_patch_of_the_wrong_size_is_refused() -> None:
     sender, receiver = DeltaSender(destination="rollout 0"), DeltaReceiver(source="policy 0")
     refit(sender, receiver, {"w": torch.zeros(100)})
-    stream = sender.encode(iter({"w": torch.zeros(100).index_fill_(0, torch.tensor([3]), 1.0)}.items()))
+    stream = sender.encode(iter({"w": torch.zeros(100).index_fill_(0, torch.tensor([3]), 1.0)}.items()), RefitStats())
     manifest, (name, blob) = next(stream), next(stream)
     with pytest.raises(WireFormatError, match="w: a patch of 15 bytes does not hold whole elements"):
-        list(receiver.decode(iter([manifest, (name, blob[:-1])])))
+        list(receiver.decode(iter([manifest, (name, blob[:-1])]), RefitStats()))
 
 
 def test_patches_travel_through_an_engines_pipeline() -> None:
@@ -220,9 +244,9 @@ def test_patches_travel_through_an_engines_pipeline() -> None:
         for fraction in (None, 0.01, 0.0, 0.01):
             if fraction is not None:
                 weights = step(weights, fraction, generator)
-            outcome = run_refit(policy, rollout, functools.partial(sender.encode, iter(weights.items())))
+            outcome = run_refit(policy, rollout, functools.partial(sender.encode, iter(weights.items()), RefitStats()))
             assert outcome.send_error is None and outcome.receive_error is None
-            received = {name: tensor.clone() for name, tensor in receiver.decode(iter(outcome.received))}
+            received = {name: tensor.clone() for name, tensor in receiver.decode(iter(outcome.received), RefitStats())}
             sender.commit()
             receiver.commit()
             assert_same(received, weights)

@@ -81,8 +81,9 @@ class Destination:
     sender: BucketSender
     select: Select
     finish: Callable[[], None] = lambda: None
-    encode: Callable[[Iterable[tuple[str, torch.Tensor]]], Iterable[tuple[str, torch.Tensor]]] | None = None
-    """A stage over the stream's selected weights, run on its send thread (delta refits)."""
+    encode: Callable[[Iterable[tuple[str, torch.Tensor]], RefitStats], Iterable[tuple[str, torch.Tensor]]] | None = None
+    """A stage over the stream's selected weights, run on its send thread, counting into the
+    stream's statistics (delta refits)."""
 
 
 class _Stream:
@@ -224,13 +225,14 @@ def _run_stream(
     send_options: dict[str, Any],
 ) -> None:
     try:
-        encode = stream.destination.encode
+        encode, stats = stream.destination.encode, RefitStats()
         stream.stats = send(
-            stream.weights() if encode is None else encode(stream.weights()),
+            stream.weights() if encode is None else encode(stream.weights(), stats),
             stream.destination.sender,
             context=context,
             notifier=notifier,
             timeout_s=timeout_s,
+            stats=stats,
             **send_options,
         )
     except BaseException as exc:  # noqa: BLE001 - handed to the dispatcher

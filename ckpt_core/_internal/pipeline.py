@@ -157,18 +157,21 @@ def send_refit(
     direct: bool = True,
     record: PackingRecord | None = None,
     cancel: threading.Event | None = None,
+    stats: RefitStats | None = None,
 ) -> RefitStats:
     """Send every weight of one refit through ``sender``; returns this sender's statistics.
     ``direct=False`` packs every chunk into the slot buffers even where the transport takes
     direct chunks (for receivers that lend out their buffers: a direct chunk lands in fresh
     memory instead). ``record``: this sender's record of its last refit, replayed where the
     weights repeat it and rewritten from this one (:mod:`ckpt_core._internal.replay`).
+    ``stats`` (if given) is filled in as the refit runs (a stage over ``weights`` may count
+    into it too) and returned.
 
     Blocking: runs on the calling thread (the engine gives it a thread of its own) and returns
     once every bucket was delivered. ``cancel``: once set, the refit stops with
     ``RefitCancelled`` before the next weight or bucket, and its receivers are sent an abort."""
-    refit = _Refit(bucket_size, context, notifier, RefitStats(), timeout_s, checksum, cancel)
-    stats = refit.stats
+    stats = stats if stats is not None else RefitStats()
+    refit = _Refit(bucket_size, context, notifier, stats, timeout_s, checksum, cancel)
     start = time.perf_counter()
     notifier.started(context)
     packer = _BucketPacker(sender, refit, direct=direct, record=record)

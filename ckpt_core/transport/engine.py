@@ -632,9 +632,10 @@ class BucketedEngine(CheckpointEngine):
                         if self._selection:
                             layout, destination = next(iter(self._selection.values()))
                             weights = select_weights(weights, layout, destination=destination)
+                        stats = RefitStats()
                         if self._delta is not None:  # after layouts: patches of what the destination keeps
                             (delta,) = self._delta.senders.values()
-                            weights = delta.encode(weights)
+                            weights = delta.encode(weights, stats)
                         self.last_stats = await runner.run(
                             functools.partial(
                                 send_refit,
@@ -645,6 +646,7 @@ class BucketedEngine(CheckpointEngine):
                                 timeout_s=self.timeout_s,
                                 record=self._packing_record,
                                 cancel=runner.cancel,
+                                stats=stats,
                                 **options,
                             )
                         )
@@ -703,7 +705,7 @@ class BucketedEngine(CheckpointEngine):
                 cancel=cancel,
             )
             if self._delta is not None:
-                batches = _decoded(batches, self._delta.receiver)
+                batches = _decoded(batches, self._delta.receiver, stats)
             runner = self._refit_thread("rollout", cancel=cancel, on_idle=batches.close)
             step = functools.partial(next, batches, None)
             try:
@@ -833,13 +835,13 @@ def _is_int(value: Any) -> bool:
 
 
 def _decoded(
-    batches: Generator[list[tuple[str, torch.Tensor]], None, None], receiver: DeltaReceiver
+    batches: Generator[list[tuple[str, torch.Tensor]], None, None], receiver: DeltaReceiver, stats: RefitStats
 ) -> Generator[list[tuple[str, torch.Tensor]], None, None]:
-    """``batches`` of a delta refit as whole weights (the manifest dropped, patches applied);
-    closing this closes ``batches``."""
+    """``batches`` of a delta refit as whole weights (the manifest dropped, patches applied,
+    counted into ``stats``); closing this closes ``batches``."""
     try:
         for batch in batches:
-            decoded = [entry for entry in (receiver.receive(name, tensor) for name, tensor in batch) if entry]
+            decoded = [entry for entry in (receiver.receive(name, tensor, stats) for name, tensor in batch) if entry]
             if decoded:
                 yield decoded
         receiver.end()
