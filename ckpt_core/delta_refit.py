@@ -44,7 +44,7 @@ import torch
 
 from ckpt_core._internal.checksum import payload_checksum
 from ckpt_core._internal.device_checksum import device_payload_checksum
-from ckpt_core.delta import Patch, apply, copy_bits, diff, patchable, position_dtype
+from ckpt_core.delta import Patch, apply, copy_bits, diff, patchable, position_dtype, reverse
 from ckpt_core.errors import IntegrityError, LifecycleError, WireFormatError
 from ckpt_core.stats import RefitStats
 
@@ -74,6 +74,26 @@ class Baseline:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    """A sender's encoded refit awaiting its commit: the baseline it was made against, and,
+    per weight, its copy (sent whole) or its patch."""
+
+    base: Baseline
+    sent: dict[str, torch.Tensor | Patch]
+    version: str
+
+    def applied(self) -> Baseline:
+        tensors = {}
+        for name, entry in self.sent.items():
+            if isinstance(entry, Patch):
+                tensor = self.base.tensors[name]
+                apply(tensor, entry, name=name)
+                entry = tensor
+            tensors[name] = entry
+        return Baseline(tensors, self.version)
+
+
 def tensor_digest(tensor: torch.Tensor) -> int:
     """A 64-bit digest of ``tensor``'s bytes (xxh3 on the host, ckpt-engine's device digest
     elsewhere): what a patched weight is checked against."""
@@ -91,43 +111,50 @@ class DeltaSender:
     def __init__(self, *, destination: str) -> None:
         self.destination = destination
         self.baseline = Baseline()
-        self._pending: Baseline | None = None
+        self._pending: _Pending | None = None
 
     def encode(
         self, weights: Iterable[tuple[str, torch.Tensor]], stats: RefitStats
     ) -> Generator[tuple[str, torch.Tensor], None, None]:
         """``weights`` as this refit sends them: the manifest, then each weight whole or as a
         patch against the baseline, counted into ``stats`` (its delta fields) as they go. The
-        weights become the next baseline at :meth:`commit`."""
+        weights become the next baseline at :meth:`commit`: a copy of each weight sent whole,
+        each patch kept until then (the caller may change its weights once they were sent)."""
         base = self.baseline
         version = uuid.uuid4().hex
         yield MANIFEST_NAME, _manifest(base.version, version)
-        kept: dict[str, torch.Tensor] = {}
+        sent: dict[str, torch.Tensor | Patch] = {}
         self._pending = None
         for name, tensor in weights:
-            if name in kept:
+            if name in sent:
                 raise WireFormatError(f"{self.destination}: the sender yields weight {name!r} twice in one refit")
             old = base.tensors.get(name)
             patch = None
             if old is not None and _comparable(old, tensor) and patchable(tensor):
                 patch = diff(old, tensor, name=name)
-            kept[name] = copy_bits(tensor.detach())
             stats.delta_tensors += 1
-            blob = None if patch is None else _patch_blob(tensor_digest(kept[name]), patch)
-            if blob is None or blob.numel() >= tensor.numel() * tensor.element_size():  # the digest's 8 bytes too
+            blob = None if patch is None else _patch_blob(tensor_digest(tensor), patch)
+            if patch is None or blob is None or blob.numel() >= tensor.numel() * tensor.element_size():
+                sent[name] = copy_bits(tensor.detach())  # the patch, its 8-byte digest included, is no smaller
                 yield name, tensor
             else:
-                assert patch is not None
+                sent[name] = patch
                 _count_patch(stats, patch, tensor)
                 yield name + PATCH_SUFFIX, blob
-        self._pending = Baseline(kept, version)
+        self._pending = _Pending(base, sent, version)
 
     def commit(self) -> None:
         """The refit :meth:`encode` made completed at its destination: its weights are the
-        baseline now. Refused (``LifecycleError``) without a refit encoded to its end."""
+        baseline now (patches applied to the baseline's copies in place). Refused
+        (``LifecycleError``) without a refit encoded to its end."""
         if self._pending is None:
             raise LifecycleError(f"{self.destination}: no encoded refit to commit")
-        self.baseline, self._pending = self._pending, None
+        pending, self._pending = self._pending, None
+        try:
+            self.baseline = pending.applied()
+        except BaseException:
+            self.forget()  # a copy half patched is no baseline
+            raise
 
     def discard(self) -> None:
         """The refit failed at its destination (or before): the baseline stays."""
@@ -142,13 +169,15 @@ class DeltaSender:
 class DeltaReceiver:
     """The receiver's stage for one stream (``source`` names the sender in errors): a refit's
     entries go through :meth:`receive` one by one, in order, then :meth:`end`; or all at once
-    through :meth:`decode`."""
+    through :meth:`decode`. Patches are applied to the baseline's copies in place, each with
+    the old values it overwrote kept until :meth:`commit`, so that :meth:`discard` (or the
+    next refit's manifest, before a commit) puts the baseline back bit for bit."""
 
     def __init__(self, *, source: str) -> None:
         self.source = source
         self.baseline = Baseline()
-        self._pending: Baseline | None = None
-        self._refit: tuple[Baseline, str, dict[str, torch.Tensor]] | None = None  # base, version, kept
+        self._refit: _Receiving | None = None  # receiving, or received to its end and not committed
+        self._ended = False
 
     def decode(
         self, weights: Iterable[tuple[str, torch.Tensor]], stats: RefitStats
@@ -164,12 +193,11 @@ class DeltaReceiver:
     def receive(self, name: str, tensor: torch.Tensor, stats: RefitStats) -> tuple[str, torch.Tensor] | None:
         """One entry of the refit, as a whole weight, counted into ``stats`` (its delta
         fields): ``None`` for the manifest (the first entry); a weight received whole is passed
-        on as received (this keeps a copy); a patched one is a new tensor (the baseline's copy,
-        patched and checked) that becomes the next baseline itself, so the caller reads it and
-        must not write to it (a write is caught by the digest check of the next patch against
-        it)."""
-        if self._refit is None or name == MANIFEST_NAME:  # a manifest starts a refit, ending any abandoned one
-            self._pending = None
+        on as received (this keeps a copy); a patched one is the baseline's copy, patched in
+        place and checked, which the caller reads (or copies) and must not write to: the next
+        refit patches it again (a write is caught then, by the digest check)."""
+        if self._refit is None or self._ended or name == MANIFEST_NAME:  # a manifest starts a refit
+            self.discard()  # what an abandoned refit patched is put back first
             if name != MANIFEST_NAME:
                 raise WireFormatError(f"a delta refit from {self.source} starts with its manifest, got {name!r}")
             base_version, version = _read_manifest(tensor, self.source)
@@ -180,47 +208,71 @@ class DeltaReceiver:
                     "weight whole"
                 )
             base = self.baseline if base_version is not None else Baseline()  # a whole refit patches nothing
-            self._refit = (base, version, {})
+            self._refit = _Receiving(base, version)
             return None
-        base, _, kept = self._refit
+        refit = self._refit
         stats.delta_tensors += 1
+        if name in refit.kept or name.removesuffix(PATCH_SUFFIX) in refit.kept:
+            raise WireFormatError(f"{self.source} sent weight {name.removesuffix(PATCH_SUFFIX)!r} twice in one refit")
         if not name.endswith(PATCH_SUFFIX):
-            kept[name] = copy_bits(tensor.detach())
+            refit.kept[name] = copy_bits(tensor.detach())
             return name, tensor
         name = name.removesuffix(PATCH_SUFFIX)
-        old = base.tensors.get(name)
-        if old is None:
+        held = refit.base.tensors.get(name)
+        if held is None:
             raise WireFormatError(f"{self.source} sent a patch of {name!r}, which this receiver does not hold")
-        new = copy_bits(old)
-        patch, digest = _read_patch(tensor, new, name)
-        apply(new, patch, name=name)
-        if tensor_digest(new) != digest:
+        patch, digest = _read_patch(tensor, held, name)
+        refit.patch(name, held, patch)
+        if tensor_digest(held) != digest:
             raise IntegrityError(
                 f"{name}: patched from {self.source}'s patch, it does not match the sender's digest of the "
                 "new weight: this receiver's copy differs from the sender's"
             )
-        _count_patch(stats, patch, new)
-        kept[name] = new
-        return name, new
+        _count_patch(stats, patch, held)
+        return name, held
 
     def end(self) -> None:
         """Every entry of the refit was received: its weights are the next baseline, at
         :meth:`commit`. ``WireFormatError`` if not even the manifest came."""
-        if self._refit is None:
+        if self._refit is None or self._ended:
             raise WireFormatError(f"a delta refit from {self.source} starts with its manifest, got nothing")
-        _, version, kept = self._refit
-        self._refit, self._pending = None, Baseline(kept, version)
+        self._ended = True
 
     def commit(self) -> None:
         """The refit received to its :meth:`end` completed: its weights are the baseline now."""
-        if self._pending is None:
+        if self._refit is None or not self._ended:
             raise LifecycleError(f"from {self.source}: no decoded refit to commit")
-        self.baseline, self._pending = self._pending, None
+        self.baseline = Baseline(self._refit.kept, self._refit.version)
+        self._refit, self._ended = None, False
 
     def discard(self) -> None:
-        """The refit failed (or was not committed): the baseline stays; the next entry
-        received starts a new refit."""
-        self._refit = self._pending = None
+        """The refit failed (or was not committed): what it patched is put back, the baseline
+        stays; the next entry received starts a new refit."""
+        if self._refit is not None:
+            self._refit.undo()
+        self._refit, self._ended = None, False
+
+
+@dataclasses.dataclass
+class _Receiving:
+    """A refit a receiver takes: the baseline it patches, the version it makes, each weight
+    it kept, and the values its patches overwrote (newest last)."""
+
+    base: Baseline
+    version: str
+    kept: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    overwritten: list[tuple[str, torch.Tensor, Patch]] = dataclasses.field(default_factory=list)
+
+    def patch(self, name: str, held: torch.Tensor, patch: Patch) -> None:
+        """Apply ``patch`` to ``held`` in place, keeping the values it overwrites."""
+        self.overwritten.append((name, held, reverse(held, patch, name=name)))
+        self.kept[name] = held
+        apply(held, patch, name=name)
+
+    def undo(self) -> None:
+        while self.overwritten:
+            name, held, old = self.overwritten.pop()
+            apply(held, old, name=name)
 
 
 class DeltaState:

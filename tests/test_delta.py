@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ckpt_core.delta as delta
-from ckpt_core.delta import DeltaError, Patch, apply, diff, patch_bytes
+from ckpt_core.delta import DeltaError, Patch, apply, diff, patch_bytes, reverse
 
 DTYPES = [
     torch.bfloat16,
@@ -123,6 +123,30 @@ def test_positions_are_found_across_chunks(monkeypatch: pytest.MonkeyPatch) -> N
     assert torch.equal(whole.positions, chunked.positions) and torch.equal(bits(whole.values), bits(chunked.values))
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("offset", [0, 1, 3])
+@pytest.mark.parametrize("length", [1, 7, 8, 9, 23, 64, 67])
+def test_positions_are_every_differing_element_at_any_alignment_and_length(
+    dtype: torch.dtype, offset: int, length: int
+) -> None:
+    """Narrow elements are compared a word at a time where the memory allows: storage offsets
+    that are not word-aligned, and lengths that leave a tail after the last whole word, find
+    the same positions as comparing element by element."""
+    generator = torch.Generator().manual_seed(length * 10 + offset)
+    base = random_tensor((offset + length,), dtype, generator)
+    changed, _ = changed_copy(base, 0.15, generator)
+    old, new = base[offset:], changed[offset:]  # views starting `offset` elements in
+    patch = diff(old, new, name="w")
+    expected = (bits(old).view(-1, old.element_size()) != bits(new).view(-1, new.element_size())).any(1)
+    if patch is None:
+        assert int(expected.sum()) * patch_bytes(1, length, old.element_size()) >= old.nbytes
+    else:
+        assert patch.positions.tolist() == expected.nonzero().squeeze(1).tolist()
+        patched = old.clone()
+        apply(patched, patch, name="w")
+        assert torch.equal(bits(patched), bits(new))
+
+
 def test_a_non_contiguous_version_is_compared_by_its_elements() -> None:
     old = torch.arange(64, dtype=torch.float32).reshape(8, 8)
     new = old.clone()
@@ -157,3 +181,18 @@ def test_a_patch_that_does_not_fit_is_refused_and_changes_nothing() -> None:
     assert not bool(target.any())
     with pytest.raises(DeltaError, match="contiguous"):
         apply(torch.zeros(4, 4).t(), Patch(torch.tensor([0], dtype=torch.int32), values, numel=16), name="w")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.bool, torch.int64], ids=str)
+def test_a_reversed_patch_puts_back_what_the_patch_overwrote(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(11)
+    old = random_tensor((300,), dtype, generator)
+    new, _ = changed_copy(old, 0.05, generator)
+    patch = diff(old, new, name="w")
+    assert patch is not None and patch.changed > 0
+    held = old.clone()
+    undo = reverse(held, patch, name="w")
+    apply(held, patch, name="w")
+    assert torch.equal(bits(held), bits(new))
+    apply(held, undo, name="w")
+    assert torch.equal(bits(held), bits(old))
