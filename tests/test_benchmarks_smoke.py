@@ -186,6 +186,27 @@ def test_the_sharded_refit_benchmark_runs_side_by_side(topology: str, tmp_path: 
     assert "| sharded |" in (tmp_path / f"sharded_{topology}.md").read_text()
 
 
+def test_the_delta_refit_benchmark_runs_side_by_side(tmp_path: Path) -> None:
+    """``python -m benchmarks.delta`` in a tiny configuration: the workload's fractions are
+    measured, the delta refit moves the patch bound's bytes (and the full one every byte), and
+    the curve has a row per fraction asked."""
+    from benchmarks.delta import main
+
+    args = ["--size", "4MiB", "--elements-per-tensor", "262144", "--reps", "1", "--curve", "0.01", "0.5"]
+    args += ["--workload-hidden", "32", "--workload-layers", "1", "--workload-steps", "2", "--diff-elements", "65536"]
+    assert main([*args, "--bucket-size", "1MiB", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "delta.json").read_text())
+    refits = results["refits"]
+    assert refits["full_payload_bytes"] == refits["model_bytes"] == 4 << 20
+    assert 1.0 <= refits["bytes_ratio"] < 1.01  # the patches, their digests and the manifest
+    assert 0.005 < refits["changed_fraction"] <= 0.01
+    assert [row["fraction"] for row in refits["curve"]] == [0.01, 0.5]
+    assert refits["curve"][1]["delta_payload_bytes"] >= refits["model_bytes"]  # half changed: whole again
+    assert all(0 < f < 1 for row in results["workload"] for f in row["changed_fraction_per_step"])
+    assert results["diff"]["ratio_to_copy"] > 0
+    assert "| delta |" in (tmp_path / "delta.md").read_text()
+
+
 def test_a_revision_is_measured_beside_this_tree(tmp_path: Path) -> None:
     """``python -m benchmarks.against HEAD`` in a tiny configuration: both trees run, alternately,
     and every case measured by both is in the comparison, with its figures from each."""

@@ -119,6 +119,9 @@ def test_statistics_and_hooks_report_the_patches(pair: tuple[InProcessEngine, In
         assert stats["fraction_patched"] == stats["patched_tensors"] / len(weights)
         assert stats["patched_elements"] >= 100 * changed
     assert policy.last_stats is not None and policy.last_stats.to_dict() == observer.seen["policy"]
+    held = sum(t.nbytes for _, t in weights)
+    assert policy.delta_baseline_bytes == rollout.delta_baseline_bytes == held
+    assert InProcessEngine(bucket_size=BUCKET).delta_baseline_bytes == 0
 
 
 def test_a_restarted_rollout_gets_every_weight_whole_then_patches_again(

@@ -401,6 +401,12 @@ class BucketedEngine(CheckpointEngine):
         storage = tensor.untyped_storage().data_ptr()
         return any(receiver.buffer(slot).untyped_storage().data_ptr() == storage for slot in range(receiver.num_slots))
 
+    @property
+    def delta_baseline_bytes(self) -> int:
+        """With ``delta``: the bytes this engine holds as baselines (a copy of what it last
+        sent to each destination stream, and of what it last received); 0 without."""
+        return self._delta.baseline_bytes if self._delta is not None else 0
+
     def get_target_weight_layout(self) -> dict[str, Any] | None:
         """With ``shard_expert_weights``: the ``"weight_layout"`` of the rollout worker this
         policy worker sends to (``None`` for a policy worker that sends to none and drains its
