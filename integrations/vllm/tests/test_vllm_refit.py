@@ -14,10 +14,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REFITS, greedy_tokens, sized_trainer_pool, trainer_pool
+from conftest import REFITS, greedy_tokens, reload_from_disk, sized_trainer_pool, trainer_pool
 from tiny_trainer import TINY_QWEN2
 
 from ckpt_core.errors import InvalidArgumentError
@@ -61,8 +62,8 @@ def set_up(trainer: LocalProcessPool, rollout: VllmRollout) -> None:
     assert trained.ok, trained.describe()
 
 
-def train(trainer: LocalProcessPool, steps: int = 1) -> None:
-    (result,) = trainer.call([(0, "train", {"steps": steps})], CALL_TIMEOUT_S)
+def train(trainer: LocalProcessPool, steps: int = 1, lr: float | None = None) -> None:
+    (result,) = trainer.call([(0, "train", {"steps": steps, "lr": lr})], CALL_TIMEOUT_S)
     assert result.ok, result.describe()
 
 
@@ -356,6 +357,44 @@ class RefitsIntoVllm:
             assert layouts is not None
             if tp == 2:
                 assert max(layouts) < 0.75 * model_bytes  # half of most weights, not all
+        finally:
+            rollout.finalize()
+
+    def test_delta_refits_of_small_steps_generate_what_vllm_loads_from_disk(
+        self, tp: int, refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any], tmp_path: Path
+    ) -> None:
+        """Delta refits (gloo_cpu; each rank's own layout, so sharded at TP 2) over three real
+        training steps: the first (lr 1e-2, W1) arrives whole and generates what a fresh engine
+        generates from W1; the next two are small AdamW steps (lr 1e-5) whose patches move a
+        fraction of each rank's bytes, and the engine then generates what it generates after
+        vLLM's own reload of the same weights from disk."""
+        options = {"delta": True, "shard_expert_weights": True, "topology": "fanout"}
+        rollout = VllmRollout(refitted_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET, engine_kwargs=options)
+        try:
+            with trainer_pool(checkpoints["start"], "gloo_cpu", **options) as trainer:
+                set_up(trainer, rollout)
+                moved = []
+                for k in range(REFITS):
+                    train(trainer, lr=None if k == 0 else 1e-5)
+                    sent, reports = refit(trainer, rollout)
+                    assert sent.ok and not isinstance(reports, Exception), reports
+                    tokens = greedy_tokens(rollout.generate)
+                    stats = [report["stats"] for report in reports]
+                    moved.append([s["payload_bytes"] for s in stats])
+                    print(
+                        f"delta refit {k + 1} at TP {tp}: bytes per rank {moved[-1]}, patched weights "
+                        f"{[s['patched_tensors'] for s in stats]} of {[s['delta_tensors'] for s in stats]}"
+                    )
+                    if k == 0:
+                        assert tokens == reference_tokens[0], "tokens differ after the first (whole) refit"
+                        assert all(s["patched_tensors"] == 0 for s in stats), stats
+                        continue
+                    assert all(s["patched_tensors"] > 0 for s in stats), stats
+                    assert all(now < 0.6 * first for now, first in zip(moved[-1], moved[0])), moved
+                    (saved,) = trainer.call([(0, "save", {"path": str(tmp_path / f"small{k}")})], CALL_TIMEOUT_S)
+                    assert saved.ok, saved.describe()
+                    reload_from_disk(refitted_llm, tmp_path / f"small{k}")
+                    assert greedy_tokens(rollout.generate) == tokens, f"tokens differ after delta refit {k + 1}"
         finally:
             rollout.finalize()
 

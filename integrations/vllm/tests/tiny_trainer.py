@@ -69,8 +69,12 @@ class TinyTrainer:
             self.backend, bucket_size_bytes=self.bucket_size, engine_kwargs=dict(self.engine_kwargs)
         )
 
-    def train(self, *, steps: int = 1) -> float:
-        """``steps`` optimizer steps on random sequences; the last loss."""
+    def train(self, *, steps: int = 1, lr: float | None = None) -> float:
+        """``steps`` optimizer steps on random sequences (at learning rate ``lr`` from now on,
+        where given); the last loss."""
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
         loss = torch.tensor(0.0)
         for _ in range(steps):
             tokens = torch.randint(0, self.vocab, (4, 32))
