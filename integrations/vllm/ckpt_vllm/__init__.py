@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 # Exports load on first use: vLLM imports ckpt_vllm.plugin in every process it starts, and that
 # must work (and import nothing of ckpt-core) even where ckpt-core is broken.
 _EXPORTS = {
+    "AdapterError": "ckpt_vllm.errors",
     "VLLM_ENGINE_ARGS": "ckpt_vllm.rollout",
     "WORKER_EXTENSION": "ckpt_vllm.rollout",
     "IncompleteRefitError": "ckpt_vllm.errors",
@@ -29,7 +30,13 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from ckpt_vllm.errors import IncompleteRefitError, RolloutLoadError, StaleWeightsError, WorkersFailedError
+    from ckpt_vllm.errors import (
+        AdapterError,
+        IncompleteRefitError,
+        RolloutLoadError,
+        StaleWeightsError,
+        WorkersFailedError,
+    )
     from ckpt_vllm.pool import VllmWorkerPool
     from ckpt_vllm.rollout import VLLM_ENGINE_ARGS, WORKER_EXTENSION, VllmRollout
 

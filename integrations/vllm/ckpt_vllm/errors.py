@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ckpt_core.errors import CheckpointEngineError, LifecycleError
+from ckpt_core.errors import CheckpointEngineError, InvalidArgumentError, LifecycleError
 
 
 class RolloutLoadError(CheckpointEngineError, ValueError):
@@ -24,3 +24,8 @@ class WorkersFailedError(CheckpointEngineError, RuntimeError):
     """A weight-transfer call failed on some of a vLLM engine's workers; the message names each
     one and its error (each worker's ``ckpt_engine_status`` has it too). Raised by the engine's
     last worker only, for all of them (see :func:`ckpt_vllm.transfer.settle`)."""
+
+
+class AdapterError(InvalidArgumentError):
+    """A LoRA adapter a rank cannot serve (the message names the weight, module or setting):
+    nothing was installed, and the version installed before (if any) keeps serving."""

@@ -99,7 +99,7 @@ class LayerwiseLoad:
             initialize_layerwise_reload(self.model)
         # The parameters a refit must bring are those of the checkpoint format vLLM restored
         # for the reload that the model still has once processed (see finish()).
-        self._restored = {name for name, _ in self.model.named_parameters()}
+        self._restored = _parameter_names(self.model)
         self._open = True
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
@@ -153,8 +153,8 @@ class LayerwiseLoad:
             # Not what post-load processing makes (the scales of an online-quantized layer),
             # nor what it drops (an FP8 model's attention kv-cache scales, which the checkpoint
             # need not have: vLLM then keeps their defaults).
-            expected = self._restored & {name for name, _ in self.model.named_parameters()}
-            missing = sorted(expected - self._loaded)
+            expected = self._restored & _parameter_names(self.model)
+            missing = sorted(expected - {_unwrapped(name) for name in self._loaded})
             if missing:
                 shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
                 raise IncompleteRefitError(
@@ -242,3 +242,14 @@ def _finalize_after_failure(model: torch.nn.Module, vllm_config: Any) -> str:
     except Exception as exc:  # noqa: BLE001 - reported beside the load's own error
         return f"closing vLLM's layerwise reload failed too ({type(exc).__name__}: {exc}): restart the engine"
     return ""
+
+
+def _parameter_names(model: torch.nn.Module) -> set[str]:
+    """The model's parameters by the names its checkpoint gives them (see :func:`_unwrapped`)."""
+    return {_unwrapped(name) for name, _ in model.named_parameters()}
+
+
+def _unwrapped(name: str) -> str:
+    """``name`` without the ``base_layer`` of a layer vLLM wrapped to serve LoRA adapters
+    (``qkv_proj.base_layer.weight`` is the checkpoint's ``qkv_proj.weight``)."""
+    return name.replace(".base_layer.", ".")

@@ -105,6 +105,8 @@ class VllmRollout:
         self._current = True
         self._update_open = False
         self._unusable: str | None = None
+        self._adapters: dict[str, tuple[int, str]] = {}  # name -> (id, version) every rank serves
+        self._adapter_refits = 0
         self._options: dict[str, Any] = {
             "transport": backend,
             "bucket_size_bytes": bucket_size_bytes,
@@ -293,6 +295,8 @@ class VllmRollout:
     def _finish(self) -> None:
         self._update_open = False
         self._vllm_call("finish_weight_update")
+        if self._adapters:  # vLLM removed every adapter with the update: they serve on, from memory
+            self._values("reinstall_adapters")
 
     def reset(self) -> None:
         """Drop every rank's engine after a failure (then ``prepare``/``init`` again)."""
@@ -307,6 +311,58 @@ class VllmRollout:
     def status(self) -> list[dict[str, Any]]:
         """Each rank's status (:meth:`ckpt_vllm.transfer.CkptWeightTransferEngine.status`)."""
         return self._values("status")
+
+    # -- LoRA adapters -----------------------------------------------------------------------
+    def refit_adapter(
+        self, name: str, *, lora_id: int, config: dict[str, Any], version: str | None = None
+    ) -> list[dict[str, Any]]:
+        """Receive one refit on every rank as LoRA adapter ``name`` (PEFT tensor names and
+        ``config``, its PEFT ``LoraConfig`` fields: ``r``, ``lora_alpha``, ``target_modules``)
+        and serve it from memory under ``lora_id`` (an int >= 1, kept across its versions),
+        replacing its previous version; run it while the policy ranks send the adapter's
+        tensors. The model's weights and the weight version are untouched. Each rank's
+        account of what it serves. A bad adapter is refused by every rank
+        (``RefitFailedError`` carrying each rank's ``AdapterError``) and its previous version
+        keeps serving; if ranks ended at different versions (a transport failure on some),
+        :meth:`lora_request` refuses the adapter until a refit of it succeeds."""
+        if not isinstance(name, str) or not name:
+            raise InvalidArgumentError(f"refit_adapter: name must be a non-empty string, got {name!r}")
+        if isinstance(lora_id, bool) or not isinstance(lora_id, int) or lora_id < 1:
+            raise InvalidArgumentError(f"refit_adapter: lora_id must be an int >= 1 (vLLM's), got {lora_id!r}")
+        if not isinstance(config, Mapping):
+            raise InvalidArgumentError(
+                f"refit_adapter: config must be a dict of PEFT LoraConfig fields, got {config!r}"
+            )
+        self._adapter_refits += 1
+        version = f"{self._adapter_refits}" if version is None else str(version)
+        call = {"name": name, "lora_id": lora_id, "config": dict(config), "version": version}
+        try:
+            reports = self._values("receive_adapter", **call)
+        except RefitFailedError:
+            served = {s.get("adapters", {}).get(name, {}).get("version") for s in self._values("status")}
+            if len(served) != 1 or None in served:  # the ranks disagree: no version is served everywhere
+                self._adapters.pop(name, None)
+            raise
+        self._adapters[name] = (lora_id, version)
+        return reports
+
+    def lora_request(self, name: str) -> Any:
+        """vLLM's ``LoRARequest`` for adapter ``name`` as every rank serves it (its path names the
+        version and is never read); ``LifecycleError`` for an adapter not served everywhere."""
+        from ckpt_vllm.lora import lora_request
+
+        if name not in self._adapters:
+            raise LifecycleError(
+                f"adapter {name!r} is not served by every rank (never refitted, removed, or its last refit failed on "
+                f"some): refit it with refit_adapter; served: {sorted(self._adapters)}"
+            )
+        lora_id, version = self._adapters[name]
+        return lora_request(name, lora_id, version)
+
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name`` on every rank."""
+        self._adapters.pop(name, None)
+        self._values("remove_adapter", name=name)
 
     # -- generation --------------------------------------------------------------------------
     @property

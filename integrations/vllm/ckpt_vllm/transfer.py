@@ -369,6 +369,32 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
     def shutdown(self) -> None:
         self._drop_engine()
 
+    def receive_adapter(self) -> dict[str, torch.Tensor]:
+        """Receive one refit whole, as an adapter's tensors (copies this rank owns, in the
+        order sent); the model's weights are not touched. A failed receive drops the engine,
+        as a failed update does."""
+        engine = self._engine()
+        tensors: dict[str, torch.Tensor] = {}
+        batches = engine.receive_weight_batches()
+        loop = asyncio.new_event_loop()
+        try:
+            while True:
+                try:
+                    batch = loop.run_until_complete(batches.__anext__())
+                except StopAsyncIteration:
+                    break
+                for name, tensor in batch:
+                    if name in tensors:
+                        raise InvalidArgumentError(f"{name}: sent twice in one adapter refit")
+                    tensors[name] = tensor.detach().clone()  # a borrowed batch's views are refilled
+        except BaseException as exc:
+            self._fail("adapter", exc)
+            raise
+        finally:
+            loop.run_until_complete(batches.aclose())
+            loop.close()
+        return tensors
+
     # -- what vLLM's API does not say ------------------------------------------------------
     def status(self) -> dict[str, Any]:
         """``{"rank", "current", "loaded", "last_error", "rss_bytes", "parameter_bytes"}`` of this

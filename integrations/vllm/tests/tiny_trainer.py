@@ -39,6 +39,25 @@ def save_tiny_qwen2(path: str | Path, *, seed: int = 0, **overrides: Any) -> Pat
     return Path(path)
 
 
+LORA_TARGETS = ("q_proj", "v_proj")
+
+
+class LoraLinear(torch.nn.Module):
+    """A frozen linear layer plus a trained low-rank update, as PEFT's LoRA computes it:
+    ``base(x) + x A^T B^T * alpha / r``, ``A`` drawn as PEFT draws it, ``B`` zeros."""
+
+    def __init__(self, base: torch.nn.Linear, r: int, alpha: float) -> None:
+        super().__init__()
+        self.base = base
+        self.lora_A = torch.nn.Parameter(torch.empty(r, base.in_features))
+        torch.nn.init.kaiming_uniform_(self.lora_A, a=5**0.5)
+        self.lora_B = torch.nn.Parameter(torch.zeros(base.out_features, r))
+        self.scaling = alpha / r
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_A.t() @ self.lora_B.t()) * self.scaling
+
+
 class TinyTrainer:
     """fp32 master weights trained with AdamW on random token batches; refits send them cast
     to bf16, the dtype vLLM serves. Deterministic for a seed: the same steps give the same W."""
@@ -83,6 +102,58 @@ class TinyTrainer:
             self.optimizer.step()
             self.optimizer.zero_grad()
         return float(loss)
+
+    def add_lora(self, *, r: int = 8, alpha: float = 16.0, seed: int = 1) -> dict[str, Any]:
+        """Freeze the model and put a LoRA adapter on every ``LORA_TARGETS`` projection; from now
+        on :meth:`train` trains only the adapter. Its PEFT config."""
+        torch.manual_seed(seed)
+        for parameter in self.model.parameters():
+            parameter.requires_grad_(False)
+        self.lora: dict[str, LoraLinear] = {}
+        for index, layer in enumerate(self.model.model.layers):
+            for target in LORA_TARGETS:
+                wrapped = LoraLinear(getattr(layer.self_attn, target), r, alpha)
+                setattr(layer.self_attn, target, wrapped)
+                self.lora[f"model.layers.{index}.self_attn.{target}"] = wrapped
+        self.optimizer = torch.optim.AdamW([p for m in self.lora.values() for p in (m.lora_A, m.lora_B)], lr=1e-2)
+        self.lora_config = {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": r,
+            "lora_alpha": alpha,
+            "lora_dropout": 0.0,
+            "target_modules": list(LORA_TARGETS),
+            "bias": "none",
+            "fan_in_fan_out": False,
+        }
+        return self.lora_config
+
+    def lora_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The adapter's tensors under PEFT's names (what ``save_pretrained`` of a PEFT model writes)."""
+        for module, layer in self.lora.items():
+            yield f"base_model.model.{module}.lora_A.weight", layer.lora_A.detach()
+            yield f"base_model.model.{module}.lora_B.weight", layer.lora_B.detach()
+
+    def save_lora(self, *, path: str) -> str:
+        """The adapter as PEFT saves it (``adapter_config.json``, ``adapter_model.safetensors``)."""
+        import json
+
+        from safetensors.torch import save_file
+
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "adapter_config.json").write_text(json.dumps(self.lora_config))
+        save_file(
+            {name: t.contiguous() for name, t in self.lora_weights()}, str(Path(path) / "adapter_model.safetensors")
+        )
+        return path
+
+    def refit_lora(self, *, extra: dict[str, list[int]] | None = None, skip: str | None = None) -> int:
+        """Send the adapter's tensors through the engine (``extra``: name -> shape of more
+        tensors; ``skip``: a tensor left out); how many were sent."""
+        sent = [(n, t) for n, t in self.lora_weights() if n != skip]
+        sent += [(name, torch.zeros(shape)) for name, shape in (extra or {}).items()]
+        asyncio.run(self.engine.send_weights(iter(sent)))
+        return len(sent)
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The bf16 weights, each cast as it is yielded (as a trainer produces them)."""
