@@ -120,6 +120,12 @@ class VllmRollout:
         if failures:
             raise RefitFailedError("ckpt_engine_status", failures)
         self.world_size = len(statuses)
+        # Adapters the workers already serve (another driver refitted them): those every rank
+        # serves at one version are this driver's to request too.
+        served = [status.value.get("adapters", {}) for status in statuses]
+        for name, adapter in served[0].items():
+            if all(ranks.get(name) == adapter for ranks in served):
+                self._adapters[name] = (adapter["lora_id"], adapter["version"])
 
     # -- calls to every rank -----------------------------------------------------------------
     def replies(self, method: str, *, timeout_s: float | None = None, **kwargs: Any) -> list[CallResult]:

@@ -16,6 +16,7 @@ import pytest
 from conftest import greedy_tokens, trainer_pool, vllm_engine
 from test_vllm_refit import CALL_TIMEOUT_S, in_parallel, refit, set_up, train
 
+from ckpt_core.errors import LifecycleError
 from ckpt_core.orchestration.coordinator import RefitFailedError
 from ckpt_vllm import VLLM_ENGINE_ARGS, VllmRollout
 
@@ -33,13 +34,15 @@ def with_adapter(llm: Any, request: Any) -> list[list[int]]:
     return greedy_tokens(functools.partial(llm.generate, lora_request=request))
 
 
-def refit_adapter(trainer: Any, rollout: VllmRollout, config: dict[str, Any], **faults: Any) -> Any:
-    """The trainer sends its adapter while every rank receives it as adapter "policy"; the
+def refit_adapter(
+    trainer: Any, rollout: VllmRollout, config: dict[str, Any], name: str = "policy", lora_id: int = 1, **faults: Any
+) -> Any:
+    """The trainer sends its adapter while every rank receives it as adapter ``name``; the
     rollout's reports, or its error."""
 
     def receive() -> Any:
         try:
-            return rollout.refit_adapter("policy", lora_id=1, config=config)
+            return rollout.refit_adapter(name, lora_id=lora_id, config=config)
         except RefitFailedError as exc:
             return exc
 
@@ -161,5 +164,48 @@ def test_a_bad_adapter_is_refused_by_name_and_the_previous_version_keeps_serving
             error = refit_adapter(trainer, rollout, over)
             assert isinstance(error, RefitFailedError) and "AdapterError" == error.failures[0].error_type, error
             assert with_adapter(lora_llm, rollout.lora_request("policy")) == good
+            rollout.remove_adapter("policy")
+    finally:
+        rollout.finalize()
+
+
+def test_two_adapters_serve_side_by_side_and_refit_independently(
+    lora_llm: Any, checkpoints: dict[str, Any], tmp_path: Path
+) -> None:
+    """Adapters "early" (after one step) and "late" (after two) are served at once; refitting
+    "early" again (after three steps) leaves "late" as it was. Each equals its version loaded
+    from disk by vLLM."""
+    from vllm.lora.request import LoRARequest
+
+    rollout = VllmRollout(lora_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET)
+    try:
+        with trainer_pool(checkpoints["start"], "gloo_cpu") as trainer:
+            (added,) = trainer.call([(0, "add_lora", {"seed": 2})], CALL_TIMEOUT_S)
+            config = added.value
+            set_up(trainer, rollout)
+
+            def step_and_refit(name: str, lora_id: int, saved: str) -> None:
+                (trained,) = trainer.call([(0, "train", {"steps": 1})], CALL_TIMEOUT_S)
+                assert trained.ok, trained.describe()
+                assert not isinstance(refit_adapter(trainer, rollout, config, name, lora_id), Exception)
+                (done,) = trainer.call([(0, "save_lora", {"path": str(tmp_path / saved)})], CALL_TIMEOUT_S)
+                assert done.ok, done.describe()
+
+            step_and_refit("early", 3, "one")
+            step_and_refit("late", 4, "two")
+            late = with_adapter(lora_llm, rollout.lora_request("late"))
+            assert late == with_adapter(lora_llm, LoRARequest("disk-two", 12, str(tmp_path / "two")))
+            step_and_refit("early", 3, "three")
+            early = with_adapter(lora_llm, rollout.lora_request("early"))
+            assert early == with_adapter(lora_llm, LoRARequest("disk-three", 13, str(tmp_path / "three")))
+            assert with_adapter(lora_llm, rollout.lora_request("late")) == late, "refitting early changed late"
+            assert early != late
+            adapters = rollout.status()[0]["adapters"]
+            assert {name: a["version"] for name, a in adapters.items()} == {"early": "3", "late": "2"}, adapters
+            rollout.remove_adapter("early")
+            with pytest.raises(LifecycleError, match="'early' is not served by every rank"):
+                rollout.lora_request("early")
+            assert set(rollout.status()[0]["adapters"]) == {"late"}
+            rollout.remove_adapter("late")
     finally:
         rollout.finalize()
