@@ -54,12 +54,29 @@ def refit_adapter(
 def test_adapter_refits_serve_from_memory_what_vllm_serves_from_disk(
     lora_llm: Any, checkpoints: dict[str, Any], tmp_path: Path
 ) -> None:
+    three_adapter_refits_then_a_full_one(lora_llm, checkpoints, tmp_path, "gloo_cpu", {})
+
+
+def test_adapter_refits_at_tensor_parallel_2_over_cuda_ipc(checkpoints: dict[str, Any], tmp_path: Path) -> None:
+    """The same at tensor-parallel size 2 (each rank receives the whole adapter; vLLM slices
+    it), over cuda_ipc on the CPU."""
+    with vllm_engine(checkpoints["start"], 2, **VLLM_ENGINE_ARGS, **LORA_ENGINE) as llm:
+        three_adapter_refits_then_a_full_one(llm, checkpoints, tmp_path, "cuda_ipc", {"device": "cpu"})
+
+
+def three_adapter_refits_then_a_full_one(
+    llm: Any, checkpoints: dict[str, Any], tmp_path: Path, backend: str, options: dict[str, Any]
+) -> None:
+    """Three training steps of an adapter, each refitted as "policy" and checked against the
+    same adapter saved and loaded by vLLM; then a full refit of the model's weights (vLLM
+    removes every adapter when it ends), after which the adapter serves on, over the new
+    weights, as vLLM serves it from disk over them."""
     from vllm.lora.request import LoRARequest
 
-    rollout = VllmRollout(lora_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET)
-    base = greedy_tokens(lora_llm.generate)
+    rollout = VllmRollout(llm, backend=backend, bucket_size_bytes=BUCKET, engine_kwargs=options)
+    base = greedy_tokens(llm.generate)
     try:
-        with trainer_pool(checkpoints["start"], "gloo_cpu") as trainer:
+        with trainer_pool(checkpoints["start"], backend, **options) as trainer:
             (added,) = trainer.call([(0, "add_lora", {})], CALL_TIMEOUT_S)
             assert added.ok, added.describe()
             config = added.value
@@ -70,27 +87,25 @@ def test_adapter_refits_serve_from_memory_what_vllm_serves_from_disk(
                 assert trained.ok, trained.describe()
                 reports = refit_adapter(trainer, rollout, config)
                 assert not isinstance(reports, Exception), reports
-                assert reports[0]["version"] == str(step) and reports[0]["tensors"] == 8, reports
-                from_memory = with_adapter(lora_llm, rollout.lora_request("policy"))
+                assert all(r["version"] == str(step) and r["tensors"] == 8 for r in reports), reports
+                from_memory = with_adapter(llm, rollout.lora_request("policy"))
                 (saved,) = trainer.call([(0, "save_lora", {"path": str(tmp_path / f"v{step}")})], CALL_TIMEOUT_S)
                 assert saved.ok, saved.describe()
-                from_disk = with_adapter(lora_llm, LoRARequest(f"disk-{step}", 10 + step, str(tmp_path / f"v{step}")))
+                from_disk = with_adapter(llm, LoRARequest(f"disk-{step}", 10 + step, str(tmp_path / f"v{step}")))
                 assert from_memory == from_disk, f"step {step}: the adapter served from memory differs"
-                assert greedy_tokens(lora_llm.generate) == base, f"step {step}: tokens without the adapter changed"
+                assert greedy_tokens(llm.generate) == base, f"step {step}: tokens without the adapter changed"
                 seen.append(from_memory)
-                lora_llm.llm_engine.remove_lora(10 + step)
+                llm.llm_engine.remove_lora(10 + step)
             assert len({str(tokens) for tokens in [base, *seen]}) == 4, "a step did not change the tokens"
-            status = rollout.status()[0]["adapters"]["policy"]
-            assert status["version"] == "3" and status["lora_id"] == 1, status
-        # A full refit of the model's weights (vLLM removes every adapter when it ends): the
-        # adapter serves on, over the new weights, as vLLM serves it from disk over them.
-        with trainer_pool(checkpoints["start"], "gloo_cpu") as full:
+            for status in rollout.status():
+                assert status["adapters"]["policy"]["version"] == "3", status
+        with trainer_pool(checkpoints["start"], backend, **options) as full:
             set_up(full, rollout)
             train(full)
             sent, reports = refit(full, rollout)
             assert sent.ok and not isinstance(reports, Exception), reports
-            after = with_adapter(lora_llm, rollout.lora_request("policy"))
-            assert after == with_adapter(lora_llm, LoRARequest("disk-after", 20, str(tmp_path / "v3")))
+            after = with_adapter(llm, rollout.lora_request("policy"))
+            assert after == with_adapter(llm, LoRARequest("disk-after", 20, str(tmp_path / "v3")))
             assert after != seen[-1], "the full refit did not change the adapter's tokens"
     finally:
         rollout.finalize()
