@@ -1,0 +1,291 @@
+"""A LoRA adapter into a running vLLM three ways, side by side in one run: an adapter refit
+served from memory, against saving the adapter and vLLM's own load of it from disk, and
+against merging it into the weights and refitting the whole model.
+
+    python integrations/vllm/benchmarks/lora_refit.py [--reps 11] [--rank 16]
+
+A random Qwen2 of about 124 MB (bf16) is served by vLLM's CPU build at tensor-parallel size 1
+with LoRA enabled; this process is the trainer (a gloo_cpu engine of its own). The adapter
+targets every linear layer of every decoder layer (q, k, v, o, gate, up, down) at rank
+``--rank``, fp32 as PEFT keeps it; two versions of it, A and B, alternate so every load changes
+it. Each repetition times, after 1.5 s with the engine idle:
+
+* ``refit``: the trainer sends the adapter's tensors while ``VllmRollout.refit_adapter``
+  receives them and every rank serves them from memory (``ckpt_vllm.lora``);
+* ``disk``: the trainer writes the adapter as PEFT does (``adapter_config.json`` and
+  ``adapter_model.safetensors``) and vLLM loads it (``llm_engine.add_lora`` with
+  ``load_inplace``, what ``/v1/load_lora_adapter`` does), both timed;
+
+then checks that both serve the same greedy tokens. After the repetitions, with the adapters
+removed: ``merged`` times merging the adapter into the weights (``W + B A alpha / r``, cast to
+bf16) and a full refit of the model. Reported: bytes, medians, and the ratios disk / refit
+(goal >= 3) and merged / refit. Writes ``lora_refit.json`` and ``.md`` into ``--out``; exits 1
+unless the goal holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from http_vs_offline import MAX_TOKENS, PROMPTS  # noqa: E402
+from refit_vs_reload import MODEL, make_model  # noqa: E402
+
+MIB = 1 << 20
+GOAL = 3.0
+IDLE_S = 1.5
+TARGETS = {
+    "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+}
+
+
+def run(reps: int, rank: int, bucket_size: int, out: Path) -> dict[str, Any]:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1")
+    torch.set_num_threads(1)
+    workdir = Path(tempfile.mkdtemp(prefix="ckpt_vllm_lora_bench_"))
+    try:
+        results = _run_in(workdir, reps, rank, bucket_size)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "lora_refit.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "lora_refit.md").write_text(report_table(results))
+    return results
+
+
+def adapter_versions(base: dict[str, torch.Tensor], rank: int) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    """Two random versions of an adapter on every targeted linear layer, PEFT's names."""
+    generator = torch.Generator().manual_seed(0)
+    versions: dict[str, list[tuple[str, torch.Tensor]]] = {"A": [], "B": []}
+    for name, weight in base.items():
+        parts = name.split(".")
+        if len(parts) < 5 or parts[-1] != "weight" or parts[-2] not in TARGETS.get(parts[-3], ()):
+            continue
+        module = f"base_model.model.{name.removesuffix('.weight')}"
+        out_features, in_features = weight.shape
+        for tensors in versions.values():
+            tensors.append((f"{module}.lora_A.weight", torch.randn(rank, in_features, generator=generator) * 0.02))
+            tensors.append((f"{module}.lora_B.weight", torch.randn(out_features, rank, generator=generator) * 0.02))
+    return versions
+
+
+def merged(base: dict[str, torch.Tensor], adapter: list[tuple[str, torch.Tensor]], scaling: float) -> list[Any]:
+    """The model's weights with ``adapter`` merged in, bf16 (what a merged refit sends)."""
+    parts = dict(adapter)
+    weights = []
+    for name, weight in base.items():
+        module = f"base_model.model.{name.removesuffix('.weight')}"
+        a = parts.get(f"{module}.lora_A.weight")
+        if a is not None:
+            weight = (weight.float() + parts[f"{module}.lora_B.weight"] @ a * scaling).to(torch.bfloat16)
+        weights.append((name, weight))
+    return weights
+
+
+def both(send: Callable[[], Any], receive: Callable[[], Any]) -> float:
+    """Seconds for the trainer's ``send`` (a thread) and the rollout's ``receive`` together."""
+    errors: list[BaseException] = []
+
+    def sending() -> None:
+        try:
+            send()
+        except BaseException as exc:  # noqa: BLE001 - raised below
+            errors.append(exc)
+
+    time.sleep(IDLE_S)
+    started = time.perf_counter()
+    thread = threading.Thread(target=sending)
+    thread.start()
+    receive()
+    thread.join(600)
+    seconds = time.perf_counter() - started
+    if errors:
+        raise errors[0]
+    return seconds
+
+
+def _run_in(workdir: Path, reps: int, rank: int, bucket_size: int) -> dict[str, Any]:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from vllm import LLM
+    from vllm.lora.request import LoRARequest
+
+    from ckpt_core.registry import create_checkpoint_engine
+    from ckpt_vllm import VLLM_ENGINE_ARGS, VllmRollout
+
+    make_model(workdir / "start", MODEL["num_hidden_layers"])
+    with safe_open(str(workdir / "start" / "model.safetensors"), framework="pt") as source:
+        base = {name: source.get_tensor(name) for name in source.keys()}  # noqa: SIM118 - not a dict
+    versions = adapter_versions(base, rank)
+    alpha = 2 * rank
+    config: dict[str, Any] = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": sorted(sum(TARGETS.values(), ())),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "task_type": "CAUSAL_LM",
+    }
+    llm = LLM(
+        model=str(workdir / "start"),
+        enforce_eager=True,
+        max_model_len=128,
+        dtype="bfloat16",
+        seed=0,
+        skip_tokenizer_init=True,
+        enable_lora=True,
+        max_lora_rank=rank,
+        max_loras=2,
+        **VLLM_ENGINE_ARGS,
+    )
+    rollout = VllmRollout(llm, backend="gloo_cpu", bucket_size_bytes=bucket_size)
+    trainer = create_checkpoint_engine("gloo_cpu", bucket_size_bytes=bucket_size, engine_kwargs={})
+    try:
+        metadata = [trainer.prepare(), *rollout.prepare()]
+        sizes: dict[str, Any] = {"train_world_size": 1, "rollout_world_size": 1, "metadata": metadata}
+        both(lambda: trainer.init_policy_process_group(worker_rank=0, **sizes), lambda: rollout.init(**sizes))
+
+        def send(weights: list[tuple[str, torch.Tensor]]) -> None:
+            asyncio.run(trainer.send_weights(item for item in weights))
+
+        rows: list[dict[str, Any]] = []
+        for rep in range(-1, reps):  # rep -1: the warm-up, untimed
+            version = "AB"[rep % 2]
+            adapter = versions[version]
+            row: dict[str, Any] = {"version": version}
+            row["refit_s"] = both(
+                lambda adapter=adapter: send(adapter),  # type: ignore[misc]
+                lambda: rollout.refit_adapter("refit", lora_id=1, config=config),
+            )
+            row["adapter_bytes"] = payload_bytes(trainer)
+
+            def from_disk(path: Path = workdir / f"disk-{rep}", adapter: list[Any] = adapter) -> None:
+                path.mkdir()
+                (path / "adapter_config.json").write_text(json.dumps(config))
+                save_file({n: t.contiguous() for n, t in adapter}, str(path / "adapter_model.safetensors"))
+                llm.llm_engine.add_lora(LoRARequest("disk", 2, str(path), load_inplace=True))
+
+            time.sleep(IDLE_S)
+            started = time.perf_counter()
+            from_disk()
+            row["disk_s"] = time.perf_counter() - started
+            memory = tokens_with(llm, rollout.lora_request("refit"))
+            disk = tokens_with(llm, LoRARequest("disk", 2, str(workdir / f"disk-{rep}")))
+            if memory != disk:
+                raise AssertionError(f"rep {rep}: the adapter from memory and from disk generate other tokens")
+            if rep >= 0:
+                rows.append(row)
+                print(f"rep {rep}: refit {row['refit_s']:.3f} s, disk {row['disk_s']:.3f} s", flush=True)
+        rollout.remove_adapter("refit")
+        llm.llm_engine.remove_lora(2)
+        merged_rows = []
+        scaling = alpha / rank
+        for rep in range(-1, max(3, reps // 3)):
+            adapter = versions["AB"[rep % 2]]
+            holder: dict[str, float] = {}
+
+            def merge_and_send(
+                adapter: list[tuple[str, torch.Tensor]] = adapter, holder: dict[str, float] = holder
+            ) -> None:
+                started = time.perf_counter()
+                weights = merged(base, adapter, scaling)
+                holder["merge_s"] = time.perf_counter() - started
+                send(weights)
+
+            seconds = both(merge_and_send, rollout.refit)
+            if rep >= 0:
+                merged_rows.append({"merged_s": seconds, "merge_s": holder["merge_s"]})
+                print(f"merged rep {rep}: {seconds:.3f} s (merging {holder['merge_s']:.3f} s)", flush=True)
+        merged_bytes = payload_bytes(trainer)
+    finally:
+        trainer.finalize()
+        rollout.finalize()
+        llm.llm_engine.engine_core.shutdown()
+    median = {key: statistics.median(r[key] for r in rows) for key in ("refit_s", "disk_s")}
+    median |= {key: statistics.median(r[key] for r in merged_rows) for key in ("merged_s", "merge_s")}
+    adapter_bytes = rows[-1]["adapter_bytes"]
+    return {
+        "model_bytes": sum(t.nbytes for t in base.values()),
+        "rank": rank,
+        "adapter_tensors": len(versions["A"]),
+        "adapter_bytes": adapter_bytes,
+        "merged_bytes": merged_bytes,
+        "bucket_size": bucket_size,
+        "reps": rows,
+        "merged_reps": merged_rows,
+        "median": median,
+        "disk_over_refit": median["disk_s"] / median["refit_s"],
+        "merged_over_refit": median["merged_s"] / median["refit_s"],
+        "goal": GOAL,
+        "goal_met": median["disk_s"] / median["refit_s"] >= GOAL,
+    }
+
+
+def payload_bytes(engine: Any) -> int:
+    """The bytes of the engine's last refit (its ``RefitStats``)."""
+    return int(engine.last_stats.payload_bytes)
+
+
+def tokens_with(llm: Any, request: Any) -> list[list[int]]:
+    """Greedy tokens of the benchmark's prompts with adapter ``request`` (prefix cache reset)."""
+    from vllm import SamplingParams
+
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM refused to reset its prefix cache")
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    outputs = llm.generate(prompts, params, lora_request=request, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def report_table(r: dict[str, Any]) -> str:
+    m = r["median"]
+    return (
+        f"A LoRA adapter into vLLM (CPU build, TP 1, gloo_cpu): rank {r['rank']} on every linear layer of a "
+        f"{r['model_bytes'] / 1e6:.0f} MB bf16 Qwen2, {r['adapter_tensors']} tensors; medians of {len(r['reps'])} "
+        f"(merged: {len(r['merged_reps'])}).\n\n"
+        "| | bytes | time |\n| --- | --- | --- |\n"
+        f"| adapter refit, served from memory | {r['adapter_bytes'] / 1e6:.2f} MB | {m['refit_s']:.3f} s |\n"
+        f"| adapter saved, vLLM loads it from disk | {r['adapter_bytes'] / 1e6:.2f} MB written "
+        f"| {m['disk_s']:.3f} s |\n"
+        f"| merged into the weights, full refit | {r['merged_bytes'] / 1e6:.1f} MB | {m['merged_s']:.3f} s "
+        f"(merging {m['merge_s']:.3f} s) |\n\n"
+        f"Disk / refit: {r['disk_over_refit']:.2f}x (goal >= {GOAL}); merged / refit: {r['merged_over_refit']:.2f}x "
+        f"in time, {r['merged_bytes'] / r['adapter_bytes']:.0f}x in bytes.\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ckpt_core.cli import parse_size
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=11)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--bucket-size", type=parse_size, default=32 * MIB)
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    args = parser.parse_args(argv)
+    results = run(args.reps, args.rank, args.bucket_size, args.out)
+    print(report_table(results))
+    return 0 if results["goal_met"] else 1
+
+
+if __name__ == "__main__":  # vLLM starts its engine in a spawned process
+    sys.exit(main())
