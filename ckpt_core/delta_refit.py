@@ -64,7 +64,9 @@ class BaselineMismatchError(LifecycleError):
 @dataclasses.dataclass(frozen=True)
 class Baseline:
     """What one side holds of one destination's weights after a completed refit: a copy of
-    each (contiguous, owned) and that refit's version (``None``: nothing yet)."""
+    each (contiguous, owned) and that refit's version (``None``: nothing yet). The copies are
+    patched in place by later refits (the sender's at commit, the receiver's as it receives,
+    put back if that refit fails), so one ``Baseline`` object is the current one only."""
 
     tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     version: str | None = None
