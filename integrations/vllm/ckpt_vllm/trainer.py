@@ -207,7 +207,15 @@ class CkptTrainerWeightTransferEngine(TrainerWeightTransferEngine[CkptTrainerIni
             raise
 
     def _start_and_update(self, update_info: dict[str, Any]) -> None:
-        self.client.start_weight_update()
+        try:
+            self.client.start_weight_update()
+        except Exception as exc:
+            if _STALE_UPDATE not in f"{exc} {getattr(getattr(exc, 'response', None), 'text', '')}":
+                raise
+            # A trainer that died between the server's start and its update left the update
+            # open (no update call came to fail it): close it, setting no version, and start.
+            self._close_update()
+            self.client.start_weight_update()
         self.client.update_weights(update_info)
 
     def _close_update(self) -> None:
@@ -230,6 +238,10 @@ class CkptTrainerWeightTransferEngine(TrainerWeightTransferEngine[CkptTrainerIni
             why = self.failure or "not initialized"
             raise LifecycleError(f"this trainer engine takes no more refits ({why}): call trainer_init again")
         return self.engine, self.info
+
+
+# What vLLM's worker says when a start finds an update still open.
+_STALE_UPDATE = "weight update is already active"
 
 
 class _ServerCall:
