@@ -10,9 +10,11 @@ loopback with ``--weight-transfer-config '{"backend": "ckpt"}'`` and ``VLLM_SERV
 the same shapes, started so), trains a tiny random Qwen2 with real AdamW steps, and after each
 step pauses the server, sends its weights (cast to bf16) through vLLM's
 ``WeightTransferTrainerFactory`` and ``HTTPVLLMWeightSyncClient``, and resumes it. Generation
-goes through the OpenAI-compatible ``/v1/completions`` route. At the end a fresh server loads
-the trainer's final weights from disk: the script exits 1 unless it generates the same tokens
-and ``/weight_info`` reported each step's version. About two minutes on two cores.
+goes through the OpenAI-compatible ``/v1/completions`` route. At the end vLLM itself loads the
+trainer's final weights from disk: a fresh server, or with ``--url`` the same server through
+vLLM's own in-place reload (``/collective_rpc`` ``reload_weights``, a dev-mode route). The
+script exits 1 unless that generates the tokens the refitted server did and ``/weight_info``
+reported each step's version. About two minutes on two cores.
 """
 
 from __future__ import annotations
@@ -133,15 +135,21 @@ def main(argv: list[str] | None = None) -> int:
         engine.shutdown()
         model.save_pretrained(final, state_dict=dict(bf16_weights()))
 
-    with vllm_serve(final, args.tp, os.path.join(workdir, "fresh.log")) as url:
-        expected = complete(url)
+    if args.url:  # another server of the same shapes would be a second copy of a model that may not fit
+        reload = {"weights_path": final, "is_checkpoint_format": True}
+        post(args.url, "collective_rpc", method="reload_weights", kwargs=reload)
+        post(args.url, "reset_prefix_cache")  # it holds keys and values of the refitted weights
+        expected, loaded_by = complete(args.url), "the same server reloading them with vLLM's own loader"
+    else:
+        with vllm_serve(final, args.tp, os.path.join(workdir, "fresh.log")) as url:
+            expected, loaded_by = complete(url), "a fresh server loading them"
     if after != expected:
-        print(f"MISMATCH: the refitted server generates {after}, a fresh one from the same weights {expected}")
+        print(f"MISMATCH: the refitted server generates {after}, {loaded_by} {expected}")
         return 1
     if not versions_ok:
         print("MISMATCH: /weight_info did not report the version each refit gave")
         return 1
-    print(f"OK: after {args.steps} refits over HTTP the server generates what a fresh server loaded from disk does")
+    print(f"OK: after {args.steps} refits over HTTP the server generates what {loaded_by} from disk does")
     return 0
 
 

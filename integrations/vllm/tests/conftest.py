@@ -42,9 +42,14 @@ from ckpt_core.orchestration.local import LocalProcessPool  # noqa: E402
 PROMPTS = [[(7 * i + j) % 500 + 1 for j in range(70)] for i in range(3)]
 REFITS = 3
 BLOCK_SIZE = 32  # the CPU attention backend takes multiples of 32
-# What each trainer process imports first (~4 s of transformers and torch's compiler stack):
-# imported once, in the zygote its trainers fork from.
-QWEN2_MODULE = "transformers.models.qwen2.modeling_qwen2"
+# What each trainer process imports first (~8 s of transformers, torch's compiler stack and
+# vLLM's weight-transfer clients, which the trainers of `vllm serve` use): imported once, in
+# the zygote its trainers fork from.
+TRAINER_PRELOAD = ["transformers.models.qwen2.modeling_qwen2", "vllm.distributed.weight_transfer"]
+# pytest-timeout's limit for each test here (the project's is 300 s). A fixture's engine
+# start-up is charged to the first test using it, and under CI's load (three test processes
+# on two cores, most starting vLLM processes) one Ray actor's took 260 s.
+TEST_TIMEOUT_S = 600
 
 
 def engine_args(model: str | Path, tp: int) -> dict[str, Any]:
@@ -113,7 +118,7 @@ def sized_trainer_pool(
     }
     labels = ["trainer"] if ranks == 1 else [f"trainer {rank}" for rank in range(ranks)]
     specs = [{**spec, "rank": rank} for rank in range(ranks)]
-    return LocalProcessPool(specs, labels=labels, env=env, preload=[QWEN2_MODULE])
+    return LocalProcessPool(specs, labels=labels, env=env, preload=TRAINER_PRELOAD)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -195,6 +200,9 @@ def reference_tokens(engine_and_references: tuple[Any, list[list[list[int]]]]) -
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """vLLM's tests first: their engines take minutes to start and use, and started first
     (``--dist loadscope`` hands out scopes in this order) they run beside the short tests
-    instead of trailing them on one worker."""
+    instead of trailing them on one worker. Each gets ``TEST_TIMEOUT_S``."""
     here = str(HERE)
     items.sort(key=lambda item: not str(item.path).startswith(here))
+    for item in items:
+        if str(item.path).startswith(here):
+            item.add_marker(pytest.mark.timeout(TEST_TIMEOUT_S))

@@ -257,13 +257,14 @@ class TestServeTensorParallel1(RefitsOfVllmServe):
             assert trainer_step(trainer, url, "after").ok
         assert completions(url) == references[0] and weight_version(url) == "after"
 
-    def test_the_serve_example_refits_this_server_and_checks_itself_against_a_fresh_one(
+    def test_the_serve_example_refits_this_server_and_checks_itself_against_vllms_own_reload(
         self, server_and_references: tuple[str, Any]
     ) -> None:
         """``examples/vllm_serve_rl_loop.py --url``: its trainer refits this class's server over
-        HTTP after each step, then starts a fresh server from its final weights (the example's
-        own launcher) and exits 0 only if both generate the same tokens and ``/weight_info``
-        said each step's version."""
+        HTTP after each step, then has the server reload its final weights with vLLM's own
+        loader, and exits 0 only if that generates the tokens the refitted server did and
+        ``/weight_info`` said each step's version. (The server is left at the example's
+        weights: every test here refits it whole.)"""
         url, _ = server_and_references
         example = subprocess.Popen(
             [sys.executable, str(EXAMPLE), "--steps", "2", "--url", url],
