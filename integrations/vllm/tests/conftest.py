@@ -65,26 +65,50 @@ def engine_args(model: str | Path, tp: int) -> dict[str, Any]:
     }
 
 
+_live_engines: list[bool] = []  # each engine this process holds: whether it runs in this process
+
+
 @contextlib.contextmanager
 def vllm_engine(model: str | Path, tp: int, **extra: Any) -> Iterator[Any]:
-    """An ``LLM`` for ``model``, shut down on exit (its engine process and workers end)."""
+    """An ``LLM`` for ``model``, shut down on exit. At tensor-parallel size 1 it runs in this
+    process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no engine-core or worker process, as vLLM
+    runs in a Ray actor; ~5 s to start instead of ~35 s of two interpreters importing vLLM);
+    at 2 in vLLM's engine-core and worker processes, which the worker extension's calls then
+    cross. vLLM sets variables of this process's environment as it starts (``LD_PRELOAD``,
+    ``LOCAL_WORLD_SIZE``, ...): they are put back on exit, as the later tests of this
+    process found them.
+
+    vLLM keeps an in-process engine's distributed state in globals that another engine's start
+    or shutdown in the same process resets: an in-process engine must be this process's only
+    one (scope its fixture to a class, so it ends before the next class's engine starts)."""
     from vllm import LLM
 
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "nobind"}
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    llm = LLM(**engine_args(model, tp), **extra)
+    in_process = tp == 1
+    if _live_engines and (in_process or any(_live_engines)):
+        raise RuntimeError(
+            f"this process holds {len(_live_engines)} vLLM engine(s) "
+            f"({sum(_live_engines)} of them in it) and was asked for another "
+            f"{'in it' if in_process else 'in processes of its own'}: an in-process engine must be its only one"
+        )
+    _live_engines.append(in_process)
+    saved = dict(os.environ)
+    os.environ.update(
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND="0|1" if tp == 2 else "nobind",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0" if in_process else "1",
+    )
     try:
-        yield llm
+        llm = LLM(**engine_args(model, tp), **extra)
+        try:
+            yield llm
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+        os.environ.clear()
+        os.environ.update(saved)
+        _live_engines.remove(in_process)
 
 
 def greedy_tokens(generate: Any) -> list[list[int]]:

@@ -31,29 +31,6 @@ BUCKET = 1 << 20
 BACKENDS: dict[str, dict[str, Any]] = {"gloo_cpu": {}, "cuda_ipc": {"device": "cpu"}}
 
 
-@pytest.fixture(scope="module")
-def online_fp8(checkpoints: dict[str, Any]) -> Iterator[tuple[Any, list[list[list[int]]]]]:
-    """An engine quantizing online (``fp8_per_channel`` over BF16 checkpoints), and what it
-    generates from W1 at start-up and from W2 and W3 after its own reload: the tokens every
-    refit into an FP8 engine must reproduce. It is left at W3."""
-    first, *later = checkpoints["weights"]
-    with vllm_engine(first, 1, quantization="fp8_per_channel", weight_transfer_config={"backend": "ckpt"}) as llm:
-        yield llm, tokens_then_reloads(llm, later)
-
-
-@pytest.fixture(scope="module")
-def fp8_references(online_fp8: tuple[Any, list[list[list[int]]]]) -> list[list[list[int]]]:
-    return online_fp8[1]
-
-
-@pytest.fixture(scope="module")
-def fp8_llm(checkpoints: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """An engine served from an FP8 checkpoint of the start-up model."""
-    start = save_fp8_checkpoint(checkpoints["start"], tmp_path_factory.mktemp("fp8") / "start")
-    with vllm_engine(start, 1, weight_transfer_config={"backend": "ckpt"}) as llm:
-        yield llm
-
-
 def three_refits(
     llm: Any, backend: str, engine_kwargs: dict[str, Any], checkpoints: dict[str, Any], tp: int = 1
 ) -> list[Any]:
@@ -90,21 +67,42 @@ def three_refits(
     return tokens
 
 
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
-def test_three_quantizing_refits_equal_vllms_own_fp8(
-    backend: str, fp8_llm: Any, fp8_references: list[list[list[int]]], checkpoints: dict[str, Any]
-) -> None:
-    engine_kwargs = {**BACKENDS[backend], "quantize_for_rollout": True}
-    assert three_refits(fp8_llm, backend, engine_kwargs, checkpoints) == fp8_references
+class TestTensorParallel1:
+    """One worker, which receives every FP8 weight and its scales whole."""
+
+    @pytest.fixture(scope="class")
+    def fp8_llm_and_references(
+        self, checkpoints: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+    ) -> Iterator[tuple[Any, list[list[list[int]]]]]:
+        """An engine served from an FP8 checkpoint of the start-up model, and the tokens every
+        refit must reproduce: what an engine quantizing online (``fp8_per_channel`` over the
+        BF16 checkpoints) generates from W1 at start-up and from W2 and W3 after its own
+        reload (that engine ended before this one starts: both run in this process)."""
+        first, *later = checkpoints["weights"]
+        with vllm_engine(first, 1, quantization="fp8_per_channel", weight_transfer_config={"backend": "ckpt"}) as llm:
+            references = tokens_then_reloads(llm, later)
+        start = save_fp8_checkpoint(checkpoints["start"], tmp_path_factory.mktemp("fp8") / "start")
+        with vllm_engine(start, 1, weight_transfer_config={"backend": "ckpt"}) as llm:
+            yield llm, references
+
+    @pytest.mark.parametrize("backend", sorted(BACKENDS))
+    def test_three_quantizing_refits_equal_vllms_own_fp8(
+        self, backend: str, fp8_llm_and_references: tuple[Any, list[list[list[int]]]], checkpoints: dict[str, Any]
+    ) -> None:
+        llm, references = fp8_llm_and_references
+        engine_kwargs = {**BACKENDS[backend], "quantize_for_rollout": True}
+        assert three_refits(llm, backend, engine_kwargs, checkpoints) == references
 
 
-def test_bf16_refits_into_an_engine_that_quantizes_on_load(
-    online_fp8: tuple[Any, list[list[list[int]]]], checkpoints: dict[str, Any]
-) -> None:
-    """Without quantize-on-send: BF16 into the online engine, which quantizes each layer as it
-    reloads it (its scales are made there, not sent: the refit is complete without them)."""
-    llm, references = online_fp8
-    assert three_refits(llm, "gloo_cpu", {}, checkpoints) == references
+def test_bf16_refits_into_an_engine_that_quantizes_on_load(checkpoints: dict[str, Any]) -> None:
+    """Without quantize-on-send: BF16 into an engine quantizing online, which quantizes each
+    layer as it reloads it (its scales are made there, not sent: the refit is complete without
+    them). The references are its own: W1 at start-up, W2 and W3 after its reload; it is left
+    at W3."""
+    first, *later = checkpoints["weights"]
+    with vllm_engine(first, 1, quantization="fp8_per_channel", weight_transfer_config={"backend": "ckpt"}) as llm:
+        references = tokens_then_reloads(llm, later)
+        assert three_refits(llm, "gloo_cpu", {}, checkpoints) == references
 
 
 def vllm_quantized_checkpoint(source: Path, target: Path) -> Path:

@@ -24,12 +24,6 @@ BUCKET = 1 << 20
 LORA_ENGINE = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2, "max_cpu_loras": 4}
 
 
-@pytest.fixture(scope="module")
-def lora_llm(checkpoints: dict[str, Any]) -> Iterator[Any]:
-    with vllm_engine(checkpoints["start"], 1, **VLLM_ENGINE_ARGS, **LORA_ENGINE) as llm:
-        yield llm
-
-
 def with_adapter(llm: Any, request: Any) -> list[list[int]]:
     return greedy_tokens(functools.partial(llm.generate, lora_request=request))
 
@@ -49,19 +43,6 @@ def refit_adapter(
     (sent,), received = in_parallel(lambda: trainer.call([(0, "refit_lora", faults)], CALL_TIMEOUT_S), receive)
     assert sent.ok, sent.describe()
     return received
-
-
-def test_adapter_refits_serve_from_memory_what_vllm_serves_from_disk(
-    lora_llm: Any, checkpoints: dict[str, Any], tmp_path: Path
-) -> None:
-    three_adapter_refits_then_a_full_one(lora_llm, checkpoints, tmp_path, "gloo_cpu", {})
-
-
-def test_adapter_refits_at_tensor_parallel_2_over_cuda_ipc(checkpoints: dict[str, Any], tmp_path: Path) -> None:
-    """The same at tensor-parallel size 2 (each rank receives the whole adapter; vLLM slices
-    it), over cuda_ipc on the CPU."""
-    with vllm_engine(checkpoints["start"], 2, **VLLM_ENGINE_ARGS, **LORA_ENGINE) as llm:
-        three_adapter_refits_then_a_full_one(llm, checkpoints, tmp_path, "cuda_ipc", {"device": "cpu"})
 
 
 def three_adapter_refits_then_a_full_one(
@@ -151,76 +132,93 @@ BAD_ADAPTERS: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
-def test_a_bad_adapter_is_refused_by_name_and_the_previous_version_keeps_serving(
-    lora_llm: Any, checkpoints: dict[str, Any]
-) -> None:
-    rollout = VllmRollout(lora_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET)
-    try:
-        with trainer_pool(checkpoints["start"], "gloo_cpu") as trainer:
-            (added,) = trainer.call([(0, "add_lora", {})], CALL_TIMEOUT_S)
-            config = added.value
-            set_up(trainer, rollout)
-            (trained,) = trainer.call([(0, "train", {"steps": 1})], CALL_TIMEOUT_S)
-            assert trained.ok, trained.describe()
-            assert not isinstance(refit_adapter(trainer, rollout, config), Exception)
-            good = with_adapter(lora_llm, rollout.lora_request("policy"))
-            for case, (faults, said) in BAD_ADAPTERS.items():
-                (trained,) = trainer.call([(0, "train", {"steps": 1})], CALL_TIMEOUT_S)
-                error = refit_adapter(trainer, rollout, config, **faults)
-                assert isinstance(error, RefitFailedError), f"{case}: {error}"
-                assert error.failures[0].error_type == "AdapterError" and said in (error.failures[0].message or ""), (
-                    case,
-                    error.failures[0],
-                )
-                assert with_adapter(lora_llm, rollout.lora_request("policy")) == good, (
-                    f"{case}: the old version changed"
-                )
-            over = {"r": 64, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}  # not the tensors rank
-            error = refit_adapter(trainer, rollout, over)
-            assert isinstance(error, RefitFailedError) and "AdapterError" == error.failures[0].error_type, error
-            assert with_adapter(lora_llm, rollout.lora_request("policy")) == good
-            rollout.remove_adapter("policy")
-    finally:
-        rollout.finalize()
+class TestTensorParallel1:
+    """One engine, in this process (see conftest.vllm_engine), for the class's tests."""
 
+    @pytest.fixture(scope="class")
+    def lora_llm(self, checkpoints: dict[str, Any]) -> Iterator[Any]:
+        with vllm_engine(checkpoints["start"], 1, **VLLM_ENGINE_ARGS, **LORA_ENGINE) as llm:
+            yield llm
 
-def test_two_adapters_serve_side_by_side_and_refit_independently(
-    lora_llm: Any, checkpoints: dict[str, Any], tmp_path: Path
-) -> None:
-    """Adapters "early" (after one step) and "late" (after two) are served at once; refitting
-    "early" again (after three steps) leaves "late" as it was. Each equals its version loaded
-    from disk by vLLM."""
-    from vllm.lora.request import LoRARequest
+    def test_adapter_refits_serve_from_memory_what_vllm_serves_from_disk(
+        self, lora_llm: Any, checkpoints: dict[str, Any], tmp_path: Path
+    ) -> None:
+        three_adapter_refits_then_a_full_one(lora_llm, checkpoints, tmp_path, "gloo_cpu", {})
 
-    rollout = VllmRollout(lora_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET)
-    try:
-        with trainer_pool(checkpoints["start"], "gloo_cpu") as trainer:
-            (added,) = trainer.call([(0, "add_lora", {"seed": 2})], CALL_TIMEOUT_S)
-            config = added.value
-            set_up(trainer, rollout)
-
-            def step_and_refit(name: str, lora_id: int, saved: str) -> None:
+    def test_a_bad_adapter_is_refused_by_name_and_the_previous_version_keeps_serving(
+        self, lora_llm: Any, checkpoints: dict[str, Any]
+    ) -> None:
+        rollout = VllmRollout(lora_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET)
+        try:
+            with trainer_pool(checkpoints["start"], "gloo_cpu") as trainer:
+                (added,) = trainer.call([(0, "add_lora", {})], CALL_TIMEOUT_S)
+                config = added.value
+                set_up(trainer, rollout)
                 (trained,) = trainer.call([(0, "train", {"steps": 1})], CALL_TIMEOUT_S)
                 assert trained.ok, trained.describe()
-                assert not isinstance(refit_adapter(trainer, rollout, config, name, lora_id), Exception)
-                (done,) = trainer.call([(0, "save_lora", {"path": str(tmp_path / saved)})], CALL_TIMEOUT_S)
-                assert done.ok, done.describe()
+                assert not isinstance(refit_adapter(trainer, rollout, config), Exception)
+                good = with_adapter(lora_llm, rollout.lora_request("policy"))
+                for case, (faults, said) in BAD_ADAPTERS.items():
+                    (trained,) = trainer.call([(0, "train", {"steps": 1})], CALL_TIMEOUT_S)
+                    error = refit_adapter(trainer, rollout, config, **faults)
+                    assert isinstance(error, RefitFailedError), f"{case}: {error}"
+                    failure = error.failures[0]
+                    assert failure.error_type == "AdapterError" and said in (failure.message or ""), (case, failure)
+                    assert with_adapter(lora_llm, rollout.lora_request("policy")) == good, (
+                        f"{case}: the old version changed"
+                    )
+                over = {"r": 64, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}  # not the tensors rank
+                error = refit_adapter(trainer, rollout, over)
+                assert isinstance(error, RefitFailedError) and "AdapterError" == error.failures[0].error_type, error
+                assert with_adapter(lora_llm, rollout.lora_request("policy")) == good
+                rollout.remove_adapter("policy")
+        finally:
+            rollout.finalize()
 
-            step_and_refit("early", 3, "one")
-            step_and_refit("late", 4, "two")
-            late = with_adapter(lora_llm, rollout.lora_request("late"))
-            assert late == with_adapter(lora_llm, LoRARequest("disk-two", 12, str(tmp_path / "two")))
-            step_and_refit("early", 3, "three")
-            early = with_adapter(lora_llm, rollout.lora_request("early"))
-            assert early == with_adapter(lora_llm, LoRARequest("disk-three", 13, str(tmp_path / "three")))
-            assert with_adapter(lora_llm, rollout.lora_request("late")) == late, "refitting early changed late"
-            assert early != late
-            adapters = rollout.status()[0]["adapters"]
-            assert {name: a["version"] for name, a in adapters.items()} == {"early": "3", "late": "2"}, adapters
-            rollout.remove_adapter("early")
-            with pytest.raises(LifecycleError, match="'early' is not served by every rank"):
-                rollout.lora_request("early")
-            assert set(rollout.status()[0]["adapters"]) == {"late"}
-            rollout.remove_adapter("late")
-    finally:
-        rollout.finalize()
+    def test_two_adapters_serve_side_by_side_and_refit_independently(
+        self, lora_llm: Any, checkpoints: dict[str, Any], tmp_path: Path
+    ) -> None:
+        """Adapters "early" (after one step) and "late" (after two) are served at once; refitting
+        "early" again (after three steps) leaves "late" as it was. Each equals its version loaded
+        from disk by vLLM."""
+        from vllm.lora.request import LoRARequest
+
+        rollout = VllmRollout(lora_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET)
+        try:
+            with trainer_pool(checkpoints["start"], "gloo_cpu") as trainer:
+                (added,) = trainer.call([(0, "add_lora", {"seed": 2})], CALL_TIMEOUT_S)
+                config = added.value
+                set_up(trainer, rollout)
+
+                def step_and_refit(name: str, lora_id: int, saved: str) -> None:
+                    (trained,) = trainer.call([(0, "train", {"steps": 1})], CALL_TIMEOUT_S)
+                    assert trained.ok, trained.describe()
+                    assert not isinstance(refit_adapter(trainer, rollout, config, name, lora_id), Exception)
+                    (done,) = trainer.call([(0, "save_lora", {"path": str(tmp_path / saved)})], CALL_TIMEOUT_S)
+                    assert done.ok, done.describe()
+
+                step_and_refit("early", 3, "one")
+                step_and_refit("late", 4, "two")
+                late = with_adapter(lora_llm, rollout.lora_request("late"))
+                assert late == with_adapter(lora_llm, LoRARequest("disk-two", 12, str(tmp_path / "two")))
+                step_and_refit("early", 3, "three")
+                early = with_adapter(lora_llm, rollout.lora_request("early"))
+                assert early == with_adapter(lora_llm, LoRARequest("disk-three", 13, str(tmp_path / "three")))
+                assert with_adapter(lora_llm, rollout.lora_request("late")) == late, "refitting early changed late"
+                assert early != late
+                adapters = rollout.status()[0]["adapters"]
+                assert {name: a["version"] for name, a in adapters.items()} == {"early": "3", "late": "2"}, adapters
+                rollout.remove_adapter("early")
+                with pytest.raises(LifecycleError, match="'early' is not served by every rank"):
+                    rollout.lora_request("early")
+                assert set(rollout.status()[0]["adapters"]) == {"late"}
+                rollout.remove_adapter("late")
+        finally:
+            rollout.finalize()
+
+
+def test_adapter_refits_at_tensor_parallel_2_over_cuda_ipc(checkpoints: dict[str, Any], tmp_path: Path) -> None:
+    """The same at tensor-parallel size 2 (each rank receives the whole adapter; vLLM slices
+    it), over cuda_ipc on the CPU."""
+    with vllm_engine(checkpoints["start"], 2, **VLLM_ENGINE_ARGS, **LORA_ENGINE) as llm:
+        three_adapter_refits_then_a_full_one(llm, checkpoints, tmp_path, "cuda_ipc", {"device": "cpu"})
