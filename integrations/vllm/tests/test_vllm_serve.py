@@ -9,8 +9,8 @@ clears the prefix cache). Greedy completions through ``/v1/completions`` must eq
 server generated from each W_k itself: right after start-up from W1 (a fresh server), and after
 vLLM's own reload of W2 and W3. At tensor-parallel 1 also: bad weights, a trainer killed
 mid-update and an update a dead trainer left open (HTTP errors, the old version kept,
-recovery), and requests in flight carried across
-a refit in ``keep`` mode, and ``examples/vllm_serve_rl_loop.py`` refitting this server.
+recovery), requests in flight carried across a refit in ``keep`` mode, and
+``examples/vllm_serve_rl_loop.py`` refitting this server.
 """
 
 from __future__ import annotations
