@@ -35,6 +35,8 @@ _OWN_RPC_DIR = None if os.environ.get("VLLM_RPC_BASE_PATH") else tempfile.mkdtem
 if _OWN_RPC_DIR is not None:
     os.environ["VLLM_RPC_BASE_PATH"] = _OWN_RPC_DIR
 
+from ckpt_core._internal import host_alloc  # noqa: E402
+from ckpt_core.host_pool import limit_host_pool  # noqa: E402
 from ckpt_core.orchestration.local import LocalProcessPool  # noqa: E402
 
 # 70-token prompts fill two 32-token blocks, which vLLM's prefix cache keeps between calls:
@@ -75,8 +77,9 @@ def vllm_engine(model: str | Path, tp: int, **extra: Any) -> Iterator[Any]:
     runs in a Ray actor; ~5 s to start instead of ~35 s of two interpreters importing vLLM);
     at 2 in vLLM's engine-core and worker processes, which the worker extension's calls then
     cross. vLLM sets variables of this process's environment as it starts (``LD_PRELOAD``,
-    ``LOCAL_WORLD_SIZE``, ...): they are put back on exit, as the later tests of this
-    process found them.
+    ``LOCAL_WORLD_SIZE``, ...), and a worker in this process sets its pool of freed received
+    memory (``host_pool_bytes``, 0 by default): both are put back on exit, as the later tests
+    of this process found them.
 
     vLLM keeps an in-process engine's distributed state in globals that another engine's start
     or shutdown in the same process resets: an in-process engine must be this process's only
@@ -92,6 +95,7 @@ def vllm_engine(model: str | Path, tp: int, **extra: Any) -> Iterator[Any]:
         )
     _live_engines.append(in_process)
     saved = dict(os.environ)
+    saved_pool_limit = host_alloc._POOL.limit
     os.environ.update(
         VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_CPU_OMP_THREADS_BIND="0|1" if tp == 2 else "nobind",
@@ -108,6 +112,7 @@ def vllm_engine(model: str | Path, tp: int, **extra: Any) -> Iterator[Any]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
+        limit_host_pool(saved_pool_limit)
         _live_engines.remove(in_process)
 
 

@@ -138,11 +138,17 @@ class RefitsOfVllmServe:
 class InFlight:
     """One streamed greedy completion on a thread of its own: the token ids as they arrive."""
 
-    def __init__(self, url: str, prompt: list[int], max_tokens: int) -> None:
+    def __init__(self, url: str, prompt: list[int], max_tokens: int, *, pause: str | None = None) -> None:
+        """``pause``: a ``/pause`` route (with its query) this thread posts as soon as the first
+        token arrives, setting ``paused`` (``before_pause``: the tokens it had then); posted
+        here, not by the test's thread, which a loaded machine may wake too late."""
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
         self.started = threading.Event()
+        self.paused = threading.Event()
+        self.before_pause = 0
+        self._pause = pause
         body = {
             "model": "tiny",
             "prompt": prompt,
@@ -166,10 +172,15 @@ class InFlight:
                     self.finish_reason = choice.get("finish_reason") or self.finish_reason
                     if self.tokens:
                         self.started.set()
+                        if self._pause is not None and not self.paused.is_set() and self.finish_reason is None:
+                            self.before_pause = len(self.tokens)
+                            post(url, self._pause)
+                            self.paused.set()
         except BaseException as exc:  # noqa: BLE001 - the test reads it
             self.error = exc
         finally:
             self.started.set()
+            self.paused.set()
 
     def join(self) -> None:
         self._thread.join(CALL_TIMEOUT_S)
@@ -363,17 +374,16 @@ class TestServeTensorParallel1(RefitsOfVllmServe):
 
 def paused_while_running(url: str, prompt: list[int]) -> tuple[InFlight, int]:
     """A greedy stream of ``prompt`` and the server paused (``keep``, ``clear_cache=true``)
-    while it runs; the stream and how many tokens the client had before the pause. A stream
-    the client saw end before the pause took effect (the machine stalled this process that
-    long) is no request in flight: started again, up to ``PAUSE_TRIES`` times. (One the server
-    ended while the client still read it is found by its tokens, in the test.)"""
+    while it runs (the stream's thread pauses it at its first token); the stream and how many
+    tokens the client had before the pause. A stream that ended before the server paused is
+    no request in flight: started again, up to ``PAUSE_TRIES`` times. (One the server ended
+    while the client still read it is found by its tokens, in the test.)"""
     for _ in range(PAUSE_TRIES):
-        stream = InFlight(url, prompt, IN_FLIGHT_TOKENS)
-        assert stream.started.wait(CALL_TIMEOUT_S) and stream.error is None, stream.error
-        before = len(stream.tokens)
-        post(url, "pause?mode=keep&clear_cache=true")
-        if stream.finish_reason is None:
-            return stream, before
+        stream = InFlight(url, prompt, IN_FLIGHT_TOKENS, pause="pause?mode=keep&clear_cache=true")
+        assert stream.paused.wait(CALL_TIMEOUT_S) and stream.error is None, stream.error
+        paused = requests.get(f"{url}/is_paused", timeout=CALL_TIMEOUT_S).json()["is_paused"]
+        if stream.finish_reason is None and paused:
+            return stream, stream.before_pause
         stream.join()
         post(url, "resume")
     pytest.fail(f"the stream ended before the pause in each of {PAUSE_TRIES} tries")
