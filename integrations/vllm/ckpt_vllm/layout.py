@@ -16,7 +16,9 @@ expert, and ``experts.down_proj`` ``[E, H, I]``; with the model's
 ``is_fused_checkpoint_transposed``, the last two dimensions swapped), is described beside it
 as an alternative naming (:class:`ckpt_core.layout.AlternativeNaming`): a trainer yields
 either. A module of a kind not listed here is kept whole: it then arrives entire and vLLM's
-own loader takes its part, as without a layout (correct, without the saving).
+own loader takes its part, as without a layout (correct, without the saving). A layer vLLM
+wrapped to serve LoRA adapters is described by its base layer, under the checkpoint's name
+(:func:`~ckpt_vllm.loading.checkpoint_name`).
 
 An FP8 model's scales follow their weights (:func:`scale_kept`): a rank keeps the scales of the
 rows or 128x128 blocks it keeps. Its attention layers' quantization scales (``k_scale``,
@@ -38,6 +40,7 @@ from ckpt_core.errors import WeightLayoutError
 from ckpt_core.fp8 import BLOCK_SHAPE
 from ckpt_core.layout import AlternativeNaming, KeptWeight, WeightLayout, nothing, slices, whole
 from ckpt_vllm.errors import RolloutLoadError
+from ckpt_vllm.loading import checkpoint_name
 
 # FP8 scales of a linear layer's weight, in checkpoint format (ckpt_core.fp8).
 _WEIGHT_SCALES = ("weight_scale", "weight_scale_inv")
@@ -61,7 +64,8 @@ def derive_weight_layout(model: torch.nn.Module) -> WeightLayout:
     weights: dict[str, KeptWeight] = {}
     scales: dict[str, tuple[int, ...]] = {}  # an FP8 weight's scale -> its shape as recorded
     alternatives: list[AlternativeNaming] = []
-    for module_name, module in model.named_modules():
+    for wrapped_name, module in model.named_modules():
+        module_name = checkpoint_name(wrapped_name)  # a layer serving LoRA: its base layer's
         if type(module).__name__ == "RoutedExperts":
             per_expert, fused = _expert_weights(module_name, module)
             weights.update(per_expert)

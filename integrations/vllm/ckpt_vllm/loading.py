@@ -154,7 +154,7 @@ class LayerwiseLoad:
             # nor what it drops (an FP8 model's attention kv-cache scales, which the checkpoint
             # need not have: vLLM then keeps their defaults).
             expected = self._restored & _parameter_names(self.model)
-            missing = sorted(expected - {_unwrapped(name) for name in self._loaded})
+            missing = sorted(expected - {checkpoint_name(name) for name in self._loaded})
             if missing:
                 shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
                 raise IncompleteRefitError(
@@ -245,11 +245,12 @@ def _finalize_after_failure(model: torch.nn.Module, vllm_config: Any) -> str:
 
 
 def _parameter_names(model: torch.nn.Module) -> set[str]:
-    """The model's parameters by the names its checkpoint gives them (see :func:`_unwrapped`)."""
-    return {_unwrapped(name) for name, _ in model.named_parameters()}
+    """The model's parameters by the names its checkpoint gives them (see :func:`checkpoint_name`)."""
+    return {checkpoint_name(name) for name, _ in model.named_parameters()}
 
 
-def _unwrapped(name: str) -> str:
-    """``name`` without the ``base_layer`` of a layer vLLM wrapped to serve LoRA adapters
-    (``qkv_proj.base_layer.weight`` is the checkpoint's ``qkv_proj.weight``)."""
-    return name.replace(".base_layer.", ".")
+def checkpoint_name(name: str) -> str:
+    """The checkpoint's name of module or parameter ``name`` of a model vLLM may have wrapped
+    to serve LoRA adapters: without the wrappers' ``base_layer`` (``qkv_proj.base_layer.weight``
+    is the checkpoint's ``qkv_proj.weight``, module ``qkv_proj.base_layer`` its ``qkv_proj``)."""
+    return name.replace(".base_layer.", ".").removesuffix(".base_layer")

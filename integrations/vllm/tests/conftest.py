@@ -52,6 +52,9 @@ TRAINER_PRELOAD = ["transformers.models.qwen2.modeling_qwen2", "vllm.distributed
 # start-up is charged to the first test using it, and under CI's load (three test processes
 # on two cores, most starting vLLM processes) one Ray actor's took 260 s.
 TEST_TIMEOUT_S = 600
+# vLLM's LoRA serving, as the adapter tests configure it (at tensor-parallel size 2 the refit
+# tests share that engine: see test_vllm_refit.TestTensorParallel2).
+LORA_ENGINE = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2, "max_cpu_loras": 4}
 
 
 def engine_args(model: str | Path, tp: int) -> dict[str, Any]:
@@ -192,16 +195,18 @@ def tp(request: pytest.FixtureRequest) -> int:
 
 
 @pytest.fixture(scope="class")
-def engine_and_references(tp: int, checkpoints: dict[str, Any]) -> Iterator[tuple[Any, list[list[list[int]]]]]:
-    """One engine with the worker extension per tensor-parallel size, and the tokens every
-    refit must reproduce: for W1, what the engine generates right after start-up from W1 on
-    disk (a fresh engine); for each later W_k, after vLLM's own reload of it. The engine is
-    left at the last W, so the first refit (W1) must change every weight and the tokens; the
-    class's tests refit it in turn."""
+def engine_and_references(
+    request: pytest.FixtureRequest, tp: int, checkpoints: dict[str, Any]
+) -> Iterator[tuple[Any, list[list[list[int]]]]]:
+    """One engine with the worker extension per tensor-parallel size (and the test class's
+    ``ENGINE_ARGS``, if it has any), and the tokens every refit must reproduce: for W1, what
+    the engine generates right after start-up from W1 on disk (a fresh engine); for each later
+    W_k, after vLLM's own reload of it. The engine is left at the last W, so the first refit
+    (W1) must change every weight and the tokens; the class's tests refit it in turn."""
     from ckpt_vllm import VLLM_ENGINE_ARGS
 
     first, *later = checkpoints["weights"]
-    with vllm_engine(first, tp, **VLLM_ENGINE_ARGS) as llm:
+    with vllm_engine(first, tp, **VLLM_ENGINE_ARGS, **getattr(request.cls, "ENGINE_ARGS", {})) as llm:
         yield llm, tokens_then_reloads(llm, later)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import greedy_tokens, trainer_pool, vllm_engine
+from conftest import LORA_ENGINE, greedy_tokens, trainer_pool, vllm_engine
 from test_vllm_refit import CALL_TIMEOUT_S, in_parallel, refit, set_up, train
 
 from ckpt_core.errors import LifecycleError
@@ -21,7 +21,6 @@ from ckpt_core.orchestration.coordinator import RefitFailedError
 from ckpt_vllm import VLLM_ENGINE_ARGS, VllmRollout
 
 BUCKET = 1 << 20
-LORA_ENGINE = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2, "max_cpu_loras": 4}
 
 
 def with_adapter(llm: Any, request: Any) -> list[list[int]]:
@@ -215,10 +214,3 @@ class TestTensorParallel1:
                 rollout.remove_adapter("late")
         finally:
             rollout.finalize()
-
-
-def test_adapter_refits_at_tensor_parallel_2_over_cuda_ipc(checkpoints: dict[str, Any], tmp_path: Path) -> None:
-    """The same at tensor-parallel size 2 (each rank receives the whole adapter; vLLM slices
-    it), over cuda_ipc on the CPU."""
-    with vllm_engine(checkpoints["start"], 2, **VLLM_ENGINE_ARGS, **LORA_ENGINE) as llm:
-        three_adapter_refits_then_a_full_one(llm, checkpoints, tmp_path, "cuda_ipc", {"device": "cpu"})

@@ -1,12 +1,12 @@
 """Refits into a running vLLM engine, checked token for token against what vLLM loads itself.
 
 For tensor-parallel sizes 1 and 2 (one test class each, one engine per class: fixtures in
-conftest.py): a trainer process replays the optimizer steps that produced W1..W3 and refits the
-engine after each; its greedy tokens must equal what vLLM generates from W_k on disk (from W1
-right after start-up, a fresh engine; from W2 and W3 after vLLM's own reload: see
-``engine_and_references`` in conftest.py). Then faults: a trainer killed mid-refit and bad
-weights leave the engine marked not current, with its version unchanged, and the next full
-refit recovers.
+conftest.py; at 2 with LoRA serving on, for the adapter refits at that size): a trainer
+process replays the optimizer steps that produced W1..W3 and refits the engine after each; its
+greedy tokens must equal what vLLM generates from W_k on disk (from W1 right after start-up, a
+fresh engine; from W2 and W3 after vLLM's own reload: see ``engine_and_references`` in
+conftest.py). Then faults: a trainer killed mid-refit and bad weights leave the engine marked
+not current, with its version unchanged, and the next full refit recovers.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REFITS, greedy_tokens, reload_from_disk, sized_trainer_pool, trainer_pool
+from conftest import LORA_ENGINE, REFITS, greedy_tokens, reload_from_disk, sized_trainer_pool, trainer_pool
 from tiny_trainer import TINY_QWEN2
 
 from ckpt_core.errors import InvalidArgumentError
@@ -404,4 +404,18 @@ class TestTensorParallel1(RefitsIntoVllm):
 
 
 class TestTensorParallel2(RefitsIntoVllm):
+    """At size 2 the engine serves LoRA adapters too, so the adapter refits at this size share
+    it (an engine of vLLM's processes costs ~40 CPU-seconds to start): every refit above runs
+    on an engine whose linear layers are vLLM's LoRA wrappers."""
+
     TP = 2
+    ENGINE_ARGS = LORA_ENGINE
+
+    def test_adapter_refits_over_cuda_ipc(self, refitted_llm: Any, checkpoints: dict[str, Any], tmp_path: Path) -> None:
+        """test_vllm_lora's scenario at this size, from the same start (the start-up weights,
+        by vLLM's own reload): each rank receives the whole adapter (vLLM slices it), over
+        cuda_ipc on the CPU."""
+        from test_vllm_lora import three_adapter_refits_then_a_full_one  # it imports this module
+
+        reload_from_disk(refitted_llm, checkpoints["start"])
+        three_adapter_refits_then_a_full_one(refitted_llm, checkpoints, tmp_path, "cuda_ipc", {"device": "cpu"})
