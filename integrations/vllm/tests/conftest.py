@@ -52,6 +52,17 @@ TRAINER_PRELOAD = ["transformers.models.qwen2.modeling_qwen2", "vllm.distributed
 # start-up is charged to the first test using it, and under CI's load (three test processes
 # on two cores, most starting vLLM processes) one Ray actor's took 260 s.
 TEST_TIMEOUT_S = 600
+# The processes of each engine and server started here run vllm_site/sitecustomize.py first:
+# their workers spin 10 ms, not vLLM's second, after each message (CI's cores are the tests').
+VLLM_SITE = HERE / "vllm_site"
+
+
+def vllm_process_env() -> dict[str, str]:
+    """What the processes of a vLLM engine or server started by these tests add to this
+    process's environment: ``VLLM_SITE`` first on their ``PYTHONPATH``."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(VLLM_SITE), os.environ.get("PYTHONPATH")]))}
+
+
 # vLLM's LoRA serving, as the adapter tests configure it (at tensor-parallel size 2 the refit
 # tests share that engine: see test_vllm_refit.TestTensorParallel2).
 LORA_ENGINE = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2, "max_cpu_loras": 4}
@@ -78,11 +89,11 @@ def vllm_engine(model: str | Path, tp: int, **extra: Any) -> Iterator[Any]:
     """An ``LLM`` for ``model``, shut down on exit. At tensor-parallel size 1 it runs in this
     process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no engine-core or worker process, as vLLM
     runs in a Ray actor; ~5 s to start instead of ~35 s of two interpreters importing vLLM);
-    at 2 in vLLM's engine-core and worker processes, which the worker extension's calls then
-    cross. vLLM sets variables of this process's environment as it starts (``LD_PRELOAD``,
-    ``LOCAL_WORLD_SIZE``, ...), and a worker in this process sets its pool of freed received
-    memory (``host_pool_bytes``, 0 by default): both are put back on exit, as the later tests
-    of this process found them.
+    at 2 in vLLM's engine-core and worker processes (their busy-wait shortened: ``VLLM_SITE``),
+    which the worker extension's calls then cross. vLLM sets variables of this process's
+    environment as it starts (``LD_PRELOAD``, ``LOCAL_WORLD_SIZE``, ...), and a worker in this
+    process sets its pool of freed received memory (``host_pool_bytes``, 0 by default): both
+    are put back on exit, as the later tests of this process found them.
 
     vLLM keeps an in-process engine's distributed state in globals that another engine's start
     or shutdown in the same process resets: an in-process engine must be this process's only
@@ -103,6 +114,7 @@ def vllm_engine(model: str | Path, tp: int, **extra: Any) -> Iterator[Any]:
         VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_CPU_OMP_THREADS_BIND="0|1" if tp == 2 else "nobind",
         VLLM_ENABLE_V1_MULTIPROCESSING="0" if in_process else "1",
+        **vllm_process_env(),
     )
     try:
         llm = LLM(**engine_args(model, tp), **extra)

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import requests
-from conftest import PROMPTS, REFITS, sized_trainer_pool, trainer_pool
+from conftest import PROMPTS, REFITS, sized_trainer_pool, trainer_pool, vllm_process_env
 
 from ckpt_vllm.serve import free_port, local_vllm_serve
 
@@ -78,7 +78,11 @@ def server_and_references(
     offline engine's fixture in conftest.py, over HTTP)."""
     first, *later = checkpoints["weights"]
     log = tmp_path_factory.mktemp(f"serve_tp{tp}") / "vllm_serve.log"
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "nobind"}
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "nobind",
+        **vllm_process_env(),
+    }
     with local_vllm_serve(first, log_path=log, tp=tp, args=SERVER_ARGS, env=env, start_timeout_s=START_S) as url:
         references = [completions(url)]
         for path in later:
