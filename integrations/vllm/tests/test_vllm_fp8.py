@@ -9,11 +9,13 @@ refitted engine starts from an FP8 checkpoint of the start-up model, so the firs
 changes every weight. At tensor-parallel size 2, sharded: each worker receives its shards of
 the FP8 weights and their scales, token-equal to the same engine loading W1..W3 quantized by
 vLLM's per-channel quantizer. And the way without quantize-on-send: BF16 refits of the online
-engine, which quantizes on load, token-equal to its own reloads.
+engine, which quantizes on load, token-equal to its own reloads (at size 1, the references'
+engine).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -68,41 +70,66 @@ def three_refits(
 
 
 class TestTensorParallel1:
-    """One worker, which receives every FP8 weight and its scales whole."""
+    """One worker, which receives every FP8 weight and its scales whole. The class's engines
+    run in this process one at a time (see conftest.vllm_engine): first one quantizing online
+    (``fp8_per_channel`` over the BF16 checkpoints), whose tokens are the references and which
+    the BF16 refits go into; then one served from an FP8 checkpoint of the start-up model, for
+    the quantizing refits."""
 
     @pytest.fixture(scope="class")
-    def fp8_llm_and_references(
-        self, checkpoints: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
-    ) -> Iterator[tuple[Any, list[list[list[int]]]]]:
-        """An engine served from an FP8 checkpoint of the start-up model, and the tokens every
-        refit must reproduce: what an engine quantizing online (``fp8_per_channel`` over the
-        BF16 checkpoints) generates from W1 at start-up and from W2 and W3 after its own
-        reload (that engine ended before this one starts: both run in this process)."""
+    def engines(self) -> Iterator[OneEngineAtATime]:
+        with OneEngineAtATime() as engines:
+            yield engines
+
+    @pytest.fixture(scope="class")
+    def references(self, engines: OneEngineAtATime, checkpoints: dict[str, Any]) -> list[list[list[int]]]:
+        """What the online engine generates from W1 at start-up and from W2 and W3 after its
+        own reload (it is left at W3)."""
         first, *later = checkpoints["weights"]
-        with vllm_engine(first, 1, quantization="fp8_per_channel", weight_transfer_config={"backend": "ckpt"}) as llm:
-            references = tokens_then_reloads(llm, later)
-        start = save_fp8_checkpoint(checkpoints["start"], tmp_path_factory.mktemp("fp8") / "start")
-        with vllm_engine(start, 1, weight_transfer_config={"backend": "ckpt"}) as llm:
-            yield llm, references
+        return tokens_then_reloads(engines.start("online", first, quantization="fp8_per_channel"), later)
+
+    def test_bf16_refits_into_an_engine_that_quantizes_on_load(
+        self, engines: OneEngineAtATime, references: list[list[list[int]]], checkpoints: dict[str, Any]
+    ) -> None:
+        """Without quantize-on-send: BF16 into the engine quantizing online, which quantizes
+        each layer as it reloads it (its scales are made there, not sent: the refit is
+        complete without them)."""
+        llm = engines.start("online", checkpoints["weights"][0], quantization="fp8_per_channel")
+        assert three_refits(llm, "gloo_cpu", {}, checkpoints) == references
 
     @pytest.mark.parametrize("backend", sorted(BACKENDS))
     def test_three_quantizing_refits_equal_vllms_own_fp8(
-        self, backend: str, fp8_llm_and_references: tuple[Any, list[list[list[int]]]], checkpoints: dict[str, Any]
+        self,
+        backend: str,
+        engines: OneEngineAtATime,
+        references: list[list[list[int]]],
+        checkpoints: dict[str, Any],
+        tmp_path_factory: pytest.TempPathFactory,
     ) -> None:
-        llm, references = fp8_llm_and_references
+        """Quantize-on-send into the engine served from an FP8 checkpoint of the start-up
+        model: the first refit changes every weight."""
+        if engines.kind != "fp8":
+            start = save_fp8_checkpoint(checkpoints["start"], tmp_path_factory.mktemp("fp8") / "start")
+            engines.start("fp8", start)
         engine_kwargs = {**BACKENDS[backend], "quantize_for_rollout": True}
-        assert three_refits(llm, backend, engine_kwargs, checkpoints) == references
+        assert three_refits(engines.llm, backend, engine_kwargs, checkpoints) == references
 
 
-def test_bf16_refits_into_an_engine_that_quantizes_on_load(checkpoints: dict[str, Any]) -> None:
-    """Without quantize-on-send: BF16 into an engine quantizing online, which quantizes each
-    layer as it reloads it (its scales are made there, not sent: the refit is complete without
-    them). The references are its own: W1 at start-up, W2 and W3 after its reload; it is left
-    at W3."""
-    first, *later = checkpoints["weights"]
-    with vllm_engine(first, 1, quantization="fp8_per_channel", weight_transfer_config={"backend": "ckpt"}) as llm:
-        references = tokens_then_reloads(llm, later)
-        assert three_refits(llm, "gloo_cpu", {}, checkpoints) == references
+class OneEngineAtATime(contextlib.ExitStack):
+    """In-process engines (``vllm_engine`` at size 1, selecting the ckpt backend) of which one
+    runs at a time: starting another kind ends the running one; exit ends the last."""
+
+    kind: str | None = None
+    llm: Any = None
+
+    def start(self, kind: str, model: Path, **extra: Any) -> Any:
+        """The running engine if it is of ``kind``; else ``model`` in a new one."""
+        if kind != self.kind:
+            self.close()
+            self.kind, self.llm = None, None
+            self.llm = self.enter_context(vllm_engine(model, 1, weight_transfer_config={"backend": "ckpt"}, **extra))
+            self.kind = kind
+        return self.llm
 
 
 def vllm_quantized_checkpoint(source: Path, target: Path) -> Path:
