@@ -1,6 +1,7 @@
-"""Checks of the adapter that need no vLLM engine: ``full_weight`` against this rank's layout,
-the experts' layouts in shardings vLLM's CPU build cannot run, and ``VllmRollout``'s
-arguments, refused before the engine is called."""
+"""Checks of the adapter that need no vLLM engine: the checkpoint's names of layers vLLM
+wrapped for LoRA, ``full_weight`` against this rank's layout, the experts' layouts in
+shardings vLLM's CPU build cannot run, and ``VllmRollout``'s arguments, refused before the
+engine is called."""
 
 from __future__ import annotations
 
@@ -16,6 +17,23 @@ from ckpt_core.fp8 import Fp8Format, quantize
 from ckpt_core.layout import KeptWeight, WeightLayout, check_layouts, nothing, select_weights, slices, whole
 from ckpt_vllm import RolloutLoadError, VllmRollout
 from ckpt_vllm.layout import _expert_weights, full_weight, scale_kept
+from ckpt_vllm.loading import checkpoint_name
+
+# --- names of layers vLLM wrapped to serve LoRA -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("model.layers.0.self_attn.qkv_proj.base_layer.weight", "model.layers.0.self_attn.qkv_proj.weight"),
+        ("model.layers.0.self_attn.qkv_proj.base_layer", "model.layers.0.self_attn.qkv_proj"),
+        ("model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.self_attn.qkv_proj.weight"),
+        ("model.base_layers.0.weight", "model.base_layers.0.weight"),
+    ],
+)
+def test_a_wrapped_layer_is_named_as_the_checkpoint_names_it(name: str, expected: str) -> None:
+    assert checkpoint_name(name) == expected
+
 
 # --- full_weight ---------------------------------------------------------------------------
 
