@@ -1,14 +1,14 @@
 """Imported at start-up by the Python processes of the vLLM engines and servers these tests
-start (``conftest.SITE_ENV`` puts this directory first on their ``PYTHONPATH``).
+start (``conftest.vllm_process_env`` puts this directory first on their ``PYTHONPATH``).
 
 vLLM's workers busy-wait after each message from their engine (``SpinCondition``, reader side:
 ``busy_loop_s``, one second), trading a core for latency on machines that have one to spare.
 CI has two cores shared by three test processes and every engine they start, so that spin took
 the cores the tests needed: one TP 2 test class used 154 CPU-seconds with it and 134 without
-(alone on a 2-core machine; an idle TP 2 engine burned 2 CPU-seconds in the 3 s after a call). Here the spin lasts 10 ms; after it a worker
-waits on vLLM's own notification socket, as it does after any idle second, so the messages and
-what the tests check are unchanged. A vLLM whose ``SpinCondition`` is shaped otherwise is left
-as it is (the tests only run slower)."""
+(alone on a 2-core machine; an idle TP 2 engine burned 2 CPU-seconds in the 3 s after a
+call). Here the spin lasts 10 ms; after it a worker waits on vLLM's own notification socket,
+as it does after any idle second, so the messages and what the tests check are unchanged. A
+vLLM whose ``SpinCondition`` is shaped otherwise is left as it is (the tests only run slower)."""
 
 from __future__ import annotations
 
