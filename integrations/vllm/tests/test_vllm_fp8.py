@@ -9,8 +9,8 @@ refitted engine starts from an FP8 checkpoint of the start-up model, so the firs
 changes every weight. At tensor-parallel size 2, sharded: each worker receives its shards of
 the FP8 weights and their scales, token-equal to the same engine loading W1..W3 quantized by
 vLLM's per-channel quantizer. And the way without quantize-on-send: BF16 refits of the online
-engine, which quantizes on load, token-equal to its own reloads (at size 1, the references'
-engine).
+engine, which quantizes on load, token-equal to its own reloads (the engine that made the
+references).
 """
 
 from __future__ import annotations

@@ -174,8 +174,7 @@ class InFlight:
             with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=CALL_TIMEOUT_S) as response:
                 assert response.status_code == 200, response.text
                 if self._pause is not None and self._pause_at_headers:
-                    post(url, self._pause)
-                    self.paused.set()
+                    self._pause_server(url)
                 for line in response.iter_lines():
                     if not line.startswith(b"data: ") or line == b"data: [DONE]":
                         continue
@@ -185,14 +184,18 @@ class InFlight:
                     if self.tokens:
                         self.started.set()
                         if self._pause is not None and not self.paused.is_set() and self.finish_reason is None:
-                            self.before_pause = len(self.tokens)
-                            post(url, self._pause)
-                            self.paused.set()
+                            self._pause_server(url)
         except BaseException as exc:  # noqa: BLE001 - the test reads it
             self.error = exc
         finally:
             self.started.set()
             self.paused.set()
+
+    def _pause_server(self, url: str) -> None:
+        assert self._pause is not None
+        self.before_pause = len(self.tokens)
+        post(url, self._pause)
+        self.paused.set()
 
     def join(self) -> None:
         self._thread.join(CALL_TIMEOUT_S)
