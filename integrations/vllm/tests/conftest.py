@@ -121,7 +121,7 @@ def vllm_engine(model: str | Path, tp: int, **extra: Any) -> Iterator[Any]:
         try:
             yield llm
         finally:
-            llm.llm_engine.engine_core.shutdown()
+            shut_down(llm.llm_engine.engine_core)
             del llm
             gc.collect()
     finally:
@@ -129,6 +129,28 @@ def vllm_engine(model: str | Path, tp: int, **extra: Any) -> Iterator[Any]:
         os.environ.update(saved)
         limit_host_pool(saved_pool_limit)
         _live_engines.remove(in_process)
+
+
+def shut_down(engine_core: Any) -> None:
+    """vLLM's shutdown of an engine's client, finished where vLLM 0.32's own stops: an engine
+    core still running at its shutdown deadline (CI's load) is killed with its children, each
+    named first, and a child that exits in between raises ``psutil.NoSuchProcess`` (vLLM
+    suppresses only ``ProcessLookupError``; seen in CI), leaving the rest of the tree running
+    and the client's sockets open. Those are then killed and closed here."""
+    import psutil
+
+    try:
+        engine_core.shutdown()
+    except psutil.NoSuchProcess:
+        for process in engine_core.resources.engine_manager.processes:
+            if process.is_alive():
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    for child in psutil.Process(process.pid).children(recursive=True):
+                        with contextlib.suppress(psutil.NoSuchProcess):
+                            child.kill()
+                process.kill()
+                process.join(30)
+        engine_core.resources()
 
 
 def greedy_tokens(generate: Any) -> list[list[int]]:
