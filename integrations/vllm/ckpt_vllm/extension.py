@@ -24,7 +24,7 @@ from typing import Any
 
 from ckpt_core.errors import LifecycleError
 from ckpt_core.orchestration.protocol import error_reply
-from ckpt_vllm.lora import InstalledAdapter, install_adapter, remove_adapter
+from ckpt_vllm.lora import AdapterStore, HeldAdapter
 from ckpt_vllm.plugin import BACKEND_NAME
 from ckpt_vllm.transfer import CkptWeightTransferEngine
 
@@ -84,40 +84,31 @@ class CkptEngineWorkerExtension:
     @_replying
     def ckpt_engine_status(self) -> dict[str, Any]:
         """This rank's status (:meth:`~ckpt_vllm.transfer.CkptWeightTransferEngine.status`),
-        with the adapters it serves from memory (name -> id, version, tensors, bytes)."""
+        with the adapters it holds in memory (:meth:`ckpt_vllm.lora.AdapterStore.describe`)."""
         status = self._ckpt_transfer().status()
-        return {**status, "adapters": {name: a.describe() for name, a in self._ckpt_adapters().items()}}
+        store = getattr(self, "_ckpt_engine_adapters", None)
+        return {**status, "adapters": store.describe() if store is not None else {}}
 
     @_replying
     def ckpt_engine_receive_adapter(
-        self, *, name: str, lora_id: int, config: dict[str, Any], version: str
+        self, *, name: str, config: dict[str, Any], version: str, lora_id: int | None = None
     ) -> dict[str, Any]:
-        """Receive one refit as LoRA adapter ``name`` (PEFT tensor names, ``config`` its PEFT
-        LoraConfig's fields) and serve it from memory under ``lora_id`` in place of its
-        previous version (:func:`ckpt_vllm.lora.install_adapter`); what it serves now."""
+        """Receive one refit as ``version`` of LoRA adapter ``name`` (PEFT tensor names,
+        ``config`` its PEFT LoraConfig's fields), checked and held in memory
+        (:class:`ckpt_vllm.lora.AdapterStore`); with ``lora_id``, served under it at once in
+        place of the previous version, else when vLLM is asked to load its path (the server's
+        ``/v1/load_lora_adapter``). The version received (``lora_id``, ``version``, tensors,
+        bytes)."""
         tensors = self._ckpt_transfer().receive_adapter()
-        adapter = InstalledAdapter(name, lora_id, version, dict(config), tensors)
-        install_adapter(self, self._ckpt_adapters(), adapter)
-        return adapter.describe()
+        store = AdapterStore.of(self)
+        adapter = HeldAdapter(name, str(version), dict(config), tensors)
+        store.hold(adapter)
+        if lora_id is not None:
+            store.install(name, adapter.version, lora_id)
+        return {"lora_id": lora_id, **adapter.describe()}
 
     @_replying
     def ckpt_engine_remove_adapter(self, *, name: str) -> None:
-        """Stop serving adapter ``name`` (``KeyError`` for one this rank does not serve)."""
-        remove_adapter(self, self._ckpt_adapters(), name)
-
-    @_replying
-    def ckpt_engine_reinstall_adapters(self) -> list[str]:
-        """Serve this rank's adapters again (vLLM removes every adapter at the end of a weight
-        update, ``finish_weight_update``); their names."""
-        adapters = self._ckpt_adapters()
-        for adapter in list(adapters.values()):
-            install_adapter(self, adapters, adapter)
-        return sorted(adapters)
-
-    def _ckpt_adapters(self) -> dict[str, InstalledAdapter]:
-        """The adapters this rank serves from memory, by name (kept on the worker)."""
-        adapters = getattr(self, "_ckpt_engine_adapters", None)
-        if adapters is None:
-            adapters = {}
-            self._ckpt_engine_adapters = adapters
-        return adapters
+        """Stop serving adapter ``name`` and drop what this rank holds of it (``KeyError`` for
+        one it holds nothing of)."""
+        AdapterStore.of(self).remove(name)

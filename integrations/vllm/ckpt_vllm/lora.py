@@ -1,22 +1,26 @@
-"""LoRA adapters served from memory: an adapter received by a refit is installed into a vLLM
-worker's LoRA manager with no file written, under the name and id its caller chose, replacing
-the version installed before.
+"""LoRA adapters served from memory: an adapter received by a refit is held by each vLLM worker
+and served with no file written, replacing the version served before.
 
-vLLM 0.32 loads adapters only from a path (``LoRARequest(lora_path=...)``); its worker's LoRA
-manager, though, takes any ``LoRAModel`` it is given, and a request naming an adapter id the
-worker holds never reads the path. So each rank builds the ``LoRAModel`` from the received
-tensors (``LoRAModel.from_lora_tensors``, with vLLM's own config checks, ``PEFTHelper``), swaps it
-in for the old version (registered, activated into its slot, pinned in the worker's adapter
-cache so that eviction never sends vLLM to the path), and keeps the tensors it was built from, so
-that a version that fails to install puts the previous one back. Requests name the adapter with
-:func:`lora_request`, whose path (never read) carries the version: vLLM keys its prefix cache by
-the path, so no request reuses the keys and values of another version.
+vLLM 0.32 loads adapters only from a path (``LoRARequest(lora_path=...)``, the server's
+``/v1/load_lora_adapter``). Each rank therefore keeps the adapters it received in an
+:class:`AdapterStore` and answers vLLM's own adapter loading (its LoRA manager's
+``_load_adapter``) for paths of the form ``ckpt-engine://<name>@<version>`` from memory, by
+building vLLM's ``LoRAModel`` from the held tensors (``LoRAModel.from_lora_tensors``, vLLM's
+``PEFTHelper`` rules); every other path goes to vLLM's loader as before. Everything else is
+vLLM's: its ``add_adapter`` swaps the new version in for the old one (load first, then replace,
+so a version that fails to load leaves the old one serving), an adapter evicted from its caches
+or removed at the end of a weight update (``finish_weight_update`` calls ``reset_lora_state``) is
+loaded again from memory at its next request, and the server's ``/v1/load_lora_adapter``
+(``load_inplace``) installs a held version on every rank at once, under the id the server keeps
+for the name. The path carries the version, and vLLM keys its prefix cache by the path, so no
+request reuses the keys and values of another version.
 
-What is checked before anything changes (:class:`AdapterError`, naming the weight or module):
-the PEFT config (``r``, ``lora_alpha``, ``target_modules``; vLLM's own limits, such as
-``max_lora_rank``), every weight named ``<module>.lora_A.weight`` or ``<module>.lora_B.weight``
-with both present per module, their ranks equal to ``r``, each module one the model has, and
-the shapes against the model's layer (``A: [r, in_features]``, ``B: [out_features, r]``).
+What is checked when an adapter arrives, before it can be served (:class:`AdapterError`, naming
+the weight or module): the PEFT config (``r``, ``lora_alpha``, ``target_modules``; vLLM's own
+limits, such as ``max_lora_rank``), every weight named ``<module>.lora_A.weight`` or
+``<module>.lora_B.weight`` with both present per module, their ranks equal to ``r``, each module
+one the model has, and the shapes against the model's layer (``A: [r, in_features]``,
+``B: [out_features, r]``).
 """
 
 from __future__ import annotations
@@ -33,31 +37,44 @@ _SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 _PEFT_PREFIX = "base_model.model."
 
 
+KEPT_VERSIONS = 2
+"""Versions of one adapter a rank holds: the one it last loaded and the newest it received (a
+version the server has not switched to yet; the old one must stay loadable until it does)."""
+
+
 @dataclasses.dataclass(frozen=True)
-class InstalledAdapter:
-    """What a rank serves under one adapter name."""
+class HeldAdapter:
+    """One version of one adapter as a rank received it."""
 
     name: str
-    lora_id: int
     version: str
     config: dict[str, Any]
-    tensors: dict[str, torch.Tensor]  # as received (the LoRAModel is built from copies)
+    tensors: dict[str, torch.Tensor]  # as received (each LoRAModel is built from copies)
+
+    @property
+    def path(self) -> str:
+        return adapter_path(self.name, self.version)
 
     def describe(self) -> dict[str, Any]:
         return {
-            "lora_id": self.lora_id,
             "version": self.version,
             "tensors": len(self.tensors),
             "bytes": sum(t.numel() * t.element_size() for t in self.tensors.values()),
         }
 
 
+def adapter_path(name: str, version: str) -> str:
+    """The path vLLM is given for ``version`` of adapter ``name`` held in memory (never read
+    from disk: :class:`AdapterStore` answers it)."""
+    return f"{PATH_SCHEME}{name}@{version}"
+
+
 def lora_request(name: str, lora_id: int, version: str) -> Any:
-    """vLLM's ``LoRARequest`` for an adapter installed from memory (its path is never read:
-    it names the version, which keys vLLM's prefix cache)."""
+    """vLLM's ``LoRARequest`` for an adapter served from memory (its path names the version,
+    which keys vLLM's prefix cache)."""
     from vllm.lora.request import LoRARequest
 
-    return LoRARequest(name, lora_id, f"{PATH_SCHEME}{name}@{version}")
+    return LoRARequest(name, lora_id, adapter_path(name, version))
 
 
 def check_adapter(
@@ -122,89 +139,139 @@ def _layer_shape(model: Any, module: str, packed: dict[str, list[str]]) -> tuple
     return int(base.input_size), int(base.output_sizes[index])
 
 
-def install_adapter(worker: Any, installed: dict[str, InstalledAdapter], adapter: InstalledAdapter) -> None:
-    """Serve ``adapter`` on this rank (``worker``: vLLM's), in place of the version of the same
-    name in ``installed`` (updated on success). On any failure the previous version serves
-    again, and :class:`AdapterError` says why."""
-    manager = _lora_manager(worker)
-    adapters = manager._adapter_manager
-    previous = installed.get(adapter.name)
-    if previous is not None and previous.lora_id != adapter.lora_id:
-        raise AdapterError(
-            f"adapter {adapter.name!r} is served under id {previous.lora_id}; a new version keeps its id, "
-            f"got {adapter.lora_id}"
-        )
-    taken = {a.lora_id: a.name for a in installed.values()}
-    if taken.get(adapter.lora_id, adapter.name) != adapter.name:
-        raise AdapterError(
-            f"id {adapter.lora_id} serves adapter {taken[adapter.lora_id]!r}: give {adapter.name!r} another"
-        )
-    check_adapter(adapter.tensors, adapter.config, adapters.model, adapters.packed_modules_mapping)
-    model = _lora_model(manager, adapter)
-    try:
-        _swap_in(adapters, model)
-    except Exception as exc:
-        if previous is not None:
-            _swap_in(adapters, _lora_model(manager, previous))
-        raise AdapterError(f"adapter {adapter.name!r}: vLLM did not take it: {type(exc).__name__}: {exc}") from exc
-    installed[adapter.name] = adapter
+class AdapterStore:
+    """The adapters one vLLM worker holds in memory, and its answer to vLLM's adapter loading for
+    their paths (module docstring). One per worker: :meth:`of`."""
 
+    def __init__(self, manager: Any) -> None:
+        self._manager = manager  # vLLM's WorkerLoRAManager
+        self._held: dict[str, dict[str, HeldAdapter]] = {}  # name -> version -> adapter
+        self._loaded: dict[str, tuple[int, str]] = {}  # name -> (id, version) vLLM last loaded
 
-def remove_adapter(worker: Any, installed: dict[str, InstalledAdapter], name: str) -> None:
-    """Stop serving adapter ``name`` on this rank (``KeyError`` for one it does not serve)."""
-    adapter = installed.pop(name)
-    _lora_manager(worker)._adapter_manager.remove_adapter(adapter.lora_id)
+    @classmethod
+    def of(cls, worker: Any) -> AdapterStore:
+        """``worker``'s store (vLLM's worker), made on first use: from then on its LoRA manager
+        loads ``ckpt-engine://`` paths from the store."""
+        store = getattr(worker, "_ckpt_engine_adapters", None)
+        if store is None:
+            manager = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
+            if manager is None:
+                raise AdapterError("this vLLM engine serves no LoRA adapters: build it with enable_lora=True")
+            store = cls(manager)
+            load_from_path = manager._load_adapter
 
+            # vLLM's loader opens the path; ours builds the held version. Set on this one manager.
+            def load_adapter(request: Any) -> Any:
+                if str(request.lora_path).startswith(PATH_SCHEME):
+                    return store.load(request)
+                return load_from_path(request)
 
-def _lora_manager(worker: Any) -> Any:
-    manager = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
-    if manager is None:
-        raise AdapterError("this vLLM engine serves no LoRA adapters: build it with enable_lora=True")
-    return manager
+            manager._load_adapter = load_adapter
+            worker._ckpt_engine_adapters = store
+        return store
 
+    def hold(self, adapter: HeldAdapter) -> None:
+        """Keep ``adapter`` once it passed every check (module docstring); older versions of
+        its name go, but for the one vLLM loaded last (:data:`KEPT_VERSIONS`)."""
+        if not adapter.version or "@" in adapter.version:
+            raise AdapterError(f"an adapter's version is a non-empty string without '@', got {adapter.version!r}")
+        loaded = self._loaded.get(adapter.name, (0, None))[1]
+        if adapter.version == loaded:
+            raise AdapterError(
+                f"adapter {adapter.name!r} version {adapter.version!r} is the one served: give each refit a new "
+                "version (vLLM keys its prefix cache by it, so a reused one would serve the old keys and values)"
+            )
+        check_adapter(adapter.tensors, adapter.config, self._manager._adapter_manager.model, self._packed)
+        self._peft(adapter)
+        versions = self._held.get(adapter.name, {})
+        kept = {v: held for v, held in versions.items() if v == loaded}
+        self._held[adapter.name] = {**kept, adapter.version: adapter}
 
-def _lora_model(manager: Any, adapter: InstalledAdapter) -> Any:
-    """vLLM's ``LoRAModel`` of ``adapter``, its config checked by vLLM's own rules."""
-    from vllm.lora.lora_model import LoRAModel
-    from vllm.lora.peft_helper import PEFTHelper
+    def install(self, name: str, version: str, lora_id: int) -> None:
+        """Serve held ``version`` of ``name`` under ``lora_id`` now, through vLLM's own
+        ``add_adapter`` (in place of the version served before, which serves on if this one
+        fails). A name keeps its id across versions; an id serves one name."""
+        previous = self._loaded.get(name)
+        if previous is not None and previous[0] != lora_id:
+            raise AdapterError(
+                f"adapter {name!r} is served under id {previous[0]}; a new version keeps its id, got {lora_id}"
+            )
+        taken = {loaded_id: other for other, (loaded_id, _) in self._loaded.items()}
+        if taken.get(lora_id, name) != name:
+            raise AdapterError(f"id {lora_id} serves adapter {taken[lora_id]!r}: give {name!r} another")
+        from vllm.lora.request import LoRARequest
 
-    try:
-        peft = PEFTHelper.from_dict({**adapter.config, "vllm_max_position_embeddings": manager.max_position_embeddings})
-        peft.validate_legal(manager.lora_config)
-    except ValueError as exc:
-        raise AdapterError(f"adapter {adapter.name!r}: {exc}") from None
-    model = manager._adapter_manager.model
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    # vLLM scales lora_B in place when it registers the model: build it from copies.
-    copies = {name: tensor.detach().clone() for name, tensor in adapter.tensors.items()}
-    return LoRAModel.from_lora_tensors(
-        adapter.lora_id,
-        copies,
-        peft,
-        device="cpu",
-        dtype=manager.lora_config.lora_dtype,
-        model_vocab_size=manager.vocab_size,
-        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
-        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
-    )
-
-
-def _swap_in(adapters: Any, model: Any) -> None:
-    """Register ``model`` under its id in place of what is there, copy it into a slot, and pin
-    it in the adapter cache (an evicted adapter would be read from its path, which does not
-    exist)."""
-    from vllm.utils.gpu_sync_debug import gpu_sync_allowed
-
-    lora_id = model.id
-    with gpu_sync_allowed():
-        if adapters.get_adapter(lora_id) is not None:
-            adapters.remove_adapter(lora_id)
-        if len(adapters) + 1 > adapters.capacity:
-            adapters.remove_oldest_adapter()
-        adapters.add_adapter(model)
+        request = LoRARequest(name, lora_id, adapter_path(name, version), load_inplace=True)
         try:
-            adapters.activate_adapter(lora_id)
-            adapters._pin_lora_in_cpu_cache(lora_id)
-        except Exception:
-            adapters.remove_adapter(lora_id)
+            self._manager.add_adapter(request)
+        except AdapterError:
             raise
+        except Exception as exc:
+            raise AdapterError(f"adapter {name!r}: vLLM did not take it: {type(exc).__name__}: {exc}") from exc
+
+    def load(self, request: Any) -> Any:
+        """vLLM's ``LoRAModel`` for ``request`` (a ``ckpt-engine://`` path), built from the held
+        version it names; ``AdapterError`` for a version this rank does not hold."""
+        name, _, version = str(request.lora_path).removeprefix(PATH_SCHEME).rpartition("@")
+        adapter = self._held.get(name, {}).get(version)
+        if adapter is None:
+            held = sorted(self._held.get(name, {}))
+            raise AdapterError(
+                f"adapter {name!r} version {version!r} is not held in memory by this rank (held: {held}): "
+                "refit the adapter again"
+            )
+        model = self._lora_model(adapter, request.lora_int_id)
+        self._loaded[name] = (request.lora_int_id, version)
+        return model
+
+    def remove(self, name: str) -> None:
+        """Stop serving adapter ``name`` on this rank and drop what it holds of it (``KeyError``
+        for a name it holds nothing of)."""
+        del self._held[name]
+        loaded = self._loaded.pop(name, None)
+        if loaded is not None:
+            self._manager._adapter_manager.remove_adapter(loaded[0])
+
+    def describe(self) -> dict[str, dict[str, Any]]:
+        """Name -> the version vLLM last loaded on this rank (``lora_id``, ``version``, tensors,
+        bytes); the newest held version for a name not loaded yet (``lora_id`` ``None``)."""
+        described = {}
+        for name, versions in self._held.items():
+            lora_id, version = self._loaded.get(name, (None, list(versions)[-1]))
+            described[name] = {"lora_id": lora_id, **versions[version].describe()}
+        return described
+
+    @property
+    def _packed(self) -> dict[str, list[str]]:
+        return self._manager._adapter_manager.packed_modules_mapping
+
+    def _peft(self, adapter: HeldAdapter) -> Any:
+        """vLLM's ``PEFTHelper`` of ``adapter``'s config, checked by vLLM's own rules."""
+        from vllm.lora.peft_helper import PEFTHelper
+
+        try:
+            peft = PEFTHelper.from_dict(
+                {**adapter.config, "vllm_max_position_embeddings": self._manager.max_position_embeddings}
+            )
+            peft.validate_legal(self._manager.lora_config)
+        except ValueError as exc:
+            raise AdapterError(f"adapter {adapter.name!r}: {exc}") from None
+        return peft
+
+    def _lora_model(self, adapter: HeldAdapter, lora_id: int) -> Any:
+        from vllm.lora.lora_model import LoRAModel
+
+        model = self._manager._adapter_manager.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        # vLLM scales lora_B in place when it registers the model: build it from copies.
+        copies = {name: tensor.detach().clone() for name, tensor in adapter.tensors.items()}
+        return LoRAModel.from_lora_tensors(
+            lora_id,
+            copies,
+            self._peft(adapter),
+            device="cpu",
+            dtype=self._manager.lora_config.lora_dtype,
+            model_vocab_size=self._manager.vocab_size,
+            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+        )

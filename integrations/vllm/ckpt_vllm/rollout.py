@@ -121,11 +121,14 @@ class VllmRollout:
             raise RefitFailedError("ckpt_engine_status", failures)
         self.world_size = len(statuses)
         # Adapters the workers already serve (another driver refitted them): those every rank
-        # serves at one version are this driver's to request too.
+        # serves at one version are this driver's to request too; its default versions go on
+        # from theirs (a version names what vLLM caches, so none is given twice).
         served = [status.value.get("adapters", {}) for status in statuses]
         for name, adapter in served[0].items():
-            if all(ranks.get(name) == adapter for ranks in served):
+            if adapter["lora_id"] is not None and all(ranks.get(name) == adapter for ranks in served):
                 self._adapters[name] = (adapter["lora_id"], adapter["version"])
+                if adapter["version"].isdigit():
+                    self._adapter_refits = max(self._adapter_refits, int(adapter["version"]))
 
     # -- calls to every rank -----------------------------------------------------------------
     def replies(self, method: str, *, timeout_s: float | None = None, **kwargs: Any) -> list[CallResult]:
@@ -300,9 +303,8 @@ class VllmRollout:
 
     def _finish(self) -> None:
         self._update_open = False
+        # vLLM removes every adapter here; each loads again from memory at its next request.
         self._vllm_call("finish_weight_update")
-        if self._adapters:  # vLLM removed every adapter with the update: they serve on, from memory
-            self._values("reinstall_adapters")
 
     def reset(self) -> None:
         """Drop every rank's engine after a failure (then ``prepare``/``init`` again)."""

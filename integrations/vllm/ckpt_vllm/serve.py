@@ -25,6 +25,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from ckpt_vllm.plugin import BACKEND_NAME
+from ckpt_vllm.rollout import WORKER_EXTENSION
 
 STOP_GRACE_S = 30.0
 
@@ -38,11 +39,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def serve_command(model: str | os.PathLike[str], *, port: int, tp: int = 1, args: Sequence[str] = ()) -> list[str]:
     """The command line of a server of ``model`` on ``127.0.0.1:port`` at tensor-parallel
-    ``tp``, refitted through ckpt-engine; ``args`` are more of ``vllm serve``'s options."""
+    ``tp``, refitted through ckpt-engine (its backend, and the worker extension that adapter
+    refits reach through ``/collective_rpc``); ``args`` are more of ``vllm serve``'s options."""
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--host", "127.0.0.1", "--port", str(port), "--tensor-parallel-size", str(tp),
-        "--weight-transfer-config", json.dumps({"backend": BACKEND_NAME}), *args,
+        "--weight-transfer-config", json.dumps({"backend": BACKEND_NAME}),
+        "--worker-extension-cls", WORKER_EXTENSION, *args,
     ]  # fmt: skip
 
 

@@ -28,7 +28,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, Self
 
 import torch
@@ -43,6 +43,8 @@ from ckpt_core.errors import InvalidArgumentError, LifecycleError, RemoteRefitEr
 from ckpt_core.options import MAX_TIMEOUT_S, check_bucket_size, check_count, check_kwargs_shape, check_positive_number
 from ckpt_core.orchestration.rendezvous import MetadataRendezvous, exchange_metadata
 from ckpt_core.registry import create_checkpoint_engine
+from ckpt_vllm.errors import AdapterError
+from ckpt_vllm.lora import adapter_path
 from ckpt_vllm.plugin import BACKEND_NAME, register
 
 Weights = Iterable[tuple[str, torch.Tensor]]
@@ -206,6 +208,79 @@ class CkptTrainerWeightTransferEngine(TrainerWeightTransferEngine[CkptTrainerIni
                 self._close_update()
             raise
 
+    def send_adapter(
+        self, name: str, weights: Weights, *, config: Mapping[str, Any], version: str
+    ) -> list[dict[str, Any]]:
+        """One LoRA adapter refit of a ``vllm serve`` (vLLM's HTTP client only): ``weights``
+        (PEFT's names, ``<module>.lora_A.weight`` and ``.lora_B.weight``; ``config`` its PEFT
+        ``LoraConfig`` fields: ``r``, ``lora_alpha``, ``target_modules``) sent through this
+        rank's engine while every server worker receives them as ``version`` of adapter ``name``
+        and holds them in memory, checked (:mod:`ckpt_vllm.lora`; the model's weights and the
+        weight version are untouched). Then, on rank 0, the server's ``/v1/load_lora_adapter``
+        serves that version under ``name`` in place of the one before, which serves until then;
+        requests name the adapter as their ``model``, and ``/v1/models`` lists its path,
+        ``ckpt-engine://<name>@<version>``. Each worker's account of what it holds (rank 0).
+
+        The server needs ``--enable-lora``, the worker extension (``--worker-extension-cls
+        ckpt_vllm.extension.CkptEngineWorkerExtension``) and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``
+        beside ``VLLM_SERVER_DEV_MODE=1``. A bad adapter raises :class:`~ckpt_vllm.errors.
+        AdapterError` naming each worker's reason, the previous version serving on and this
+        engine usable; any other failure leaves this engine unusable, as in :meth:`send_weights`.
+        Give every refit a new ``version`` (vLLM keys its prefix cache by it)."""
+        base_url = getattr(self.client, "base_url", None)
+        if self.is_sender and not isinstance(base_url, str):
+            raise InvalidArgumentError(
+                f"send_adapter reaches the server over HTTP: trainer_init with vLLM's HTTPVLLMWeightSyncClient, got "
+                f"{type(self.client).__name__}"
+            )
+        if not isinstance(name, str) or not name or not isinstance(version, str) or not version or "@" in version:
+            raise InvalidArgumentError(
+                f"send_adapter: name and version must be non-empty strings, the version without '@'; got {name!r}, "
+                f"{version!r}"
+            )
+        engine, info = self._ready()
+        call = {
+            "method": "ckpt_engine_receive_adapter",
+            "kwargs": {"name": name, "config": dict(config), "version": version},
+            "timeout": info.timeout_s,
+        }
+        try:
+            receive = self._receive_adapter if self.is_sender else None
+            with _ServerCall(receive, call, what="ckpt_engine_receive_adapter") as server:
+                asyncio.run(_send_unless(engine.send_weights(pair for pair in weights), server))
+                replies = server.result(info.timeout_s)
+        except BaseException as exc:
+            self.failure = f"an adapter refit failed ({type(exc).__name__}: {exc})"
+            engine.finalize()
+            raise
+        if not self.is_sender:
+            return []
+        refused = _refusals(replies)
+        if refused:
+            raise AdapterError(f"adapter {name!r} version {version!r} refused, the old one serves on: {refused}")
+        load = {"lora_name": name, "lora_path": adapter_path(name, version), "load_inplace": True}
+        with _ServerCall(self._post_json, ("v1/load_lora_adapter", load), what="/v1/load_lora_adapter") as server:
+            server.result(info.timeout_s)
+        return [r["result"] for r in replies]
+
+    def _receive_adapter(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        """The workers' replies to ``ckpt_engine_receive_adapter``; ``RemoteRefitError`` for any
+        failure but a refused adapter (the send is then ended at once, see ``_send_unless``)."""
+        replies = list(self._post_json(("collective_rpc", call))["results"])
+        failed = [r for r in replies if not r.get("ok") and r.get("error_type") != "AdapterError"]
+        if failed:
+            raise RemoteRefitError(f"the server's workers failed to receive the adapter: {_refusals(replies)}")
+        return replies
+
+    def _post_json(self, route_and_body: tuple[str, dict[str, Any]]) -> Any:
+        """POST ``body`` to the server's ``route``; its JSON answer (``None`` for none)."""
+        import requests
+
+        route, body = route_and_body
+        response = requests.post(f"{self.client.base_url}/{route}", json=body, timeout=self.client.timeout)
+        response.raise_for_status()
+        return response.json() if response.headers.get("content-type", "").startswith("application/json") else None
+
     def _start_and_update(self, update_info: dict[str, Any]) -> None:
         try:
             self.client.start_weight_update()
@@ -272,12 +347,13 @@ class _ServerCall:
             concurrent.futures.wait([self.future], timeout_s)
         return self.failure()
 
-    def result(self, timeout_s: float) -> None:
-        """Wait for the call; its error, with what the server said, as ``RemoteRefitError``."""
+    def result(self, timeout_s: float) -> Any:
+        """Wait for the call: its value, or its error, with what the server said, as
+        ``RemoteRefitError``."""
         if self.future is None:
-            return
+            return None
         try:
-            self.future.result(timeout_s)
+            return self.future.result(timeout_s)
         except concurrent.futures.TimeoutError as exc:
             raise RemoteRefitError(f"the server's {self.what} did not answer within {timeout_s:g}s") from exc
         except BaseException as exc:  # noqa: BLE001 - explained below
@@ -287,6 +363,13 @@ class _ServerCall:
         body = getattr(getattr(exc, "response", None), "text", None)  # an HTTP error's answer
         said = f"{exc}" + (f"; the server answered: {body}" if body else "")
         return RemoteRefitError(f"the server's {self.what} failed: {type(exc).__name__}: {said}")
+
+
+def _refusals(replies: list[dict[str, Any]]) -> str:
+    """What the workers whose reply is an error said (empty: none)."""
+    return "; ".join(
+        f"worker {rank}: {r.get('error_type')}: {r.get('message')}" for rank, r in enumerate(replies) if not r.get("ok")
+    )
 
 
 async def _send_unless(send: Any, server: _ServerCall) -> None:

@@ -6,6 +6,7 @@ engine is called."""
 from __future__ import annotations
 
 import math
+import re
 from types import SimpleNamespace
 from typing import Any
 
@@ -299,3 +300,25 @@ def test_a_shard_that_cuts_a_block_of_fp8_scales_is_refused(kept: KeptWeight) ->
         WeightLayoutError, match=r"q_proj\.weight_scale_inv: this rank keeps elements .* cuts a 128x128"
     ):
         scale_kept("model.layers.0.self_attn.q_proj.weight_scale_inv", (1, 2), kept)
+
+
+@pytest.mark.parametrize(
+    ("client_url", "name", "version", "said"),
+    [
+        (None, "policy", "1", "send_adapter reaches the server over HTTP"),
+        ("http://127.0.0.1:1", "", "1", "name and version must be non-empty strings"),
+        ("http://127.0.0.1:1", "policy", "", "name and version must be non-empty strings"),
+        ("http://127.0.0.1:1", "policy", "v@2", "the version without '@'"),
+    ],
+)
+def test_an_adapter_send_with_bad_arguments_is_refused_before_anything_is_sent(
+    client_url: str | None, name: str, version: str, said: str
+) -> None:
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+
+    from ckpt_vllm.trainer import CkptTrainerWeightTransferEngine
+
+    client = HTTPVLLMWeightSyncClient(client_url) if client_url else object()
+    trainer = CkptTrainerWeightTransferEngine(client=client)
+    with pytest.raises(InvalidArgumentError, match=re.escape(said)):
+        trainer.send_adapter(name, [], config={"r": 8}, version=version)

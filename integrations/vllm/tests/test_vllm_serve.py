@@ -10,7 +10,8 @@ server generated from each W_k itself: right after start-up from W1 (a fresh ser
 vLLM's own reload of W2 and W3. At tensor-parallel 1 also: bad weights, a trainer killed
 mid-update and an update a dead trainer left open (HTTP errors, the old version kept,
 recovery), requests in flight carried across a refit in ``keep`` mode, and
-``examples/vllm_serve_rl_loop.py`` refitting this server.
+``examples/vllm_serve_rl_loop.py`` refitting this server. The servers serve LoRA too: adapter
+refits over HTTP (``send_adapter``) at both sizes over both transports, bad adapters at tensor-parallel 1.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ BACKENDS = {"gloo_cpu": {}, "cuda_ipc": {"device": "cpu"}}
 SERVER_ARGS = [
     "--served-model-name", "tiny", "--enforce-eager", "--skip-tokenizer-init", "--max-model-len", "256",
     "--block-size", "32", "--dtype", "bfloat16", "--seed", "0",
+    # LoRA served too (the adapter refits; full refits of an engine with LoRA layers, as users run):
+    "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--max-cpu-loras", "4",
 ]  # fmt: skip
 
 
@@ -49,9 +52,10 @@ def post(url: str, route: str, **kwargs: Any) -> Any:
     return response.json() if response.content else None
 
 
-def completions(url: str) -> list[list[int]]:
-    """Greedy token ids of ``PROMPTS`` through the OpenAI-compatible route."""
-    body = {"model": "tiny", "prompt": PROMPTS, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+def completions(url: str, model: str = "tiny") -> list[list[int]]:
+    """Greedy token ids of ``PROMPTS`` through the OpenAI-compatible route (``model``: the
+    base model, or an adapter's name)."""
+    body = {"model": model, "prompt": PROMPTS, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
     choices = sorted(post(url, "v1/completions", json=body)["choices"], key=lambda c: c["index"])
     return [list(choice["token_ids"]) for choice in choices]
 
@@ -79,6 +83,7 @@ def server_and_references(
     first, *later = checkpoints["weights"]
     log = tmp_path_factory.mktemp(f"serve_tp{tp}") / "vllm_serve.log"
     env = {
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",  # mounts /v1/load_lora_adapter
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "nobind",
         **vllm_process_env(),
@@ -109,6 +114,74 @@ def connect(trainer: Any, url: str, tp: int, **kwargs: Any) -> None:
     assert connected.ok, connected.describe()
 
 
+def served_from_disk(url: str, name: str, path: Path) -> list[list[int]]:
+    """The completions of the adapter saved at ``path`` as vLLM itself loads and serves it (as
+    ``name``, unloaded after)."""
+
+    def adapter_call(route: str, **body: str) -> None:  # answered in plain text
+        response = requests.post(f"{url}/v1/{route}_lora_adapter", json=body, timeout=CALL_TIMEOUT_S)
+        assert response.status_code == 200, (route, response.text)
+
+    adapter_call("load", lora_name=name, lora_path=str(path))
+    try:
+        return completions(url, model=name)
+    finally:
+        adapter_call("unload", lora_name=name)
+
+
+def adapter_paths(url: str) -> dict[str, str]:
+    """Adapter name -> its path, as the server's ``/v1/models`` lists them."""
+    response = requests.get(f"{url}/v1/models", timeout=CALL_TIMEOUT_S)
+    assert response.status_code == 200, response.text
+    return {card["id"]: card["root"] for card in response.json()["data"] if card.get("parent")}
+
+
+def adapter_refits_over_http(
+    url: str, tp: int, checkpoints: dict[str, Any], tmp_path: Path, backend: str, name: str
+) -> None:
+    """A trainer refits the server to its base weights, then trains a LoRA adapter on them and
+    refits only the adapter after each of three steps, with vLLM's HTTP client
+    (``send_adapter``); the server serves each version as ``name`` from memory, equal to the
+    same adapter saved and loaded by the server itself, the base model's tokens unchanged and
+    ``/v1/models`` naming the version. Then a full refit of the weights (vLLM removes every
+    adapter at its end), after which ``name`` serves on over the new weights, as vLLM's own load
+    of its saved last version does."""
+    seen = []
+    with trainer_pool(checkpoints["start"], backend, **BACKENDS[backend]) as trainer:
+        connect(trainer, url, tp)
+        post(url, "pause")
+        try:  # the server at the trainer's base weights, which the adapter is trained on
+            (sent,) = trainer.call([(0, "send_vllm", {"weight_version": f"{name}-base"})], CALL_TIMEOUT_S)
+        finally:
+            post(url, "resume")
+        assert sent.ok, sent.describe()
+        base = completions(url)
+        (added,) = trainer.call([(0, "add_lora", {})], CALL_TIMEOUT_S)
+        assert added.ok, added.describe()
+        for step in range(1, 4):
+            (trained,) = trainer.call([(0, "train", {"steps": 1})], CALL_TIMEOUT_S)
+            assert trained.ok, trained.describe()
+            version = f"{backend}-{step}"
+            (sent,) = trainer.call([(0, "send_vllm_lora", {"name": name, "version": version})], CALL_TIMEOUT_S)
+            assert sent.ok, sent.describe()
+            assert [held["version"] for held in sent.value] == [version] * tp, sent.value
+            from_memory = completions(url, model=name)
+            (saved,) = trainer.call([(0, "save_lora", {"path": str(tmp_path / f"v{step}")})], CALL_TIMEOUT_S)
+            assert saved.ok, saved.describe()
+            assert from_memory == served_from_disk(url, f"disk-{step}", tmp_path / f"v{step}"), f"step {step}"
+            assert completions(url) == base, f"step {step}: the base model's tokens changed"
+            assert adapter_paths(url)[name] == f"ckpt-engine://{name}@{version}"
+            seen.append(from_memory)
+    assert len({str(tokens) for tokens in [base, *seen]}) == 4, "a step did not change the tokens"
+    with trainer_pool(checkpoints["start"], backend, **BACKENDS[backend]) as full:
+        connect(full, url, tp)
+        sent = trainer_step(full, url, f"{name}-full")
+        assert sent.ok, sent.describe()
+    after = completions(url, model=name)
+    assert after == served_from_disk(url, "disk-after", tmp_path / "v3"), "the adapter after a full refit"
+    assert after != seen[-1], "the full refit did not change the adapter's tokens"
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Each class's ``CASES``: the transports at both sizes, the sharded refit at 2 (at 1 the
     one rank keeps everything)."""
@@ -137,6 +210,17 @@ class RefitsOfVllmServe:
                 assert sent.ok, sent.describe()
                 assert completions(url) == references[k], f"tokens differ after refit {k + 1}"
                 assert weight_version(url) == f"{case}-{k + 1}"
+
+    @pytest.mark.parametrize("backend", list(BACKENDS))
+    def test_adapter_refits_over_http_serve_from_memory_what_the_server_loads_from_disk(
+        self,
+        backend: str,
+        tp: int,
+        checkpoints: dict[str, Any],
+        server_and_references: tuple[str, Any],
+        tmp_path: Path,
+    ) -> None:
+        adapter_refits_over_http(server_and_references[0], tp, checkpoints, tmp_path, backend, f"policy-{backend}")
 
 
 class InFlight:
@@ -232,6 +316,42 @@ class TestServeTensorParallel1(RefitsOfVllmServe):
 
     TP = 1
     CASES = ["gloo_cpu", "cuda_ipc"]
+
+    def test_a_bad_adapter_is_refused_by_name_and_its_previous_version_serves_on(
+        self, tp: int, checkpoints: dict[str, Any], server_and_references: tuple[str, Any]
+    ) -> None:
+        """Each bad adapter of the offline tests, sent over HTTP: ``AdapterError`` naming the
+        weight or module, ``/v1/models`` still naming the good version, which generates as
+        before; then a good refit goes through, and the same version sent again is refused (vLLM
+        keys its prefix cache by it)."""
+        from test_vllm_lora import BAD_ADAPTERS
+
+        url, _ = server_and_references
+        with trainer_pool(checkpoints["start"], "gloo_cpu") as trainer:
+            (added,) = trainer.call([(0, "add_lora", {"seed": 3})], CALL_TIMEOUT_S)
+            assert added.ok, added.describe()
+            connect(trainer, url, tp)
+            (sent,) = trainer.call([(0, "send_vllm_lora", {"name": "guarded", "version": "good"})], CALL_TIMEOUT_S)
+            assert sent.ok, sent.describe()
+            good = completions(url, model="guarded")
+            for number, (case, (faults, said)) in enumerate(BAD_ADAPTERS.items()):
+                (trained,) = trainer.call([(0, "train", {"steps": 1})], CALL_TIMEOUT_S)
+                assert trained.ok, trained.describe()
+                call = {"name": "guarded", "version": f"bad-{number}", **faults}
+                (sent,) = trainer.call([(0, "send_vllm_lora", call)], CALL_TIMEOUT_S)
+                assert not sent.ok and sent.error_type == "AdapterError", (case, sent.describe())
+                assert said in (sent.message or ""), (case, sent.message)
+                assert adapter_paths(url)["guarded"] == "ckpt-engine://guarded@good", case
+                assert completions(url, model="guarded") == good, f"{case}: the good version changed"
+            better = {"name": "guarded", "version": "better"}
+            (sent,) = trainer.call([(0, "send_vllm_lora", better)], CALL_TIMEOUT_S)
+            assert sent.ok, sent.describe()
+            served = completions(url, model="guarded")
+            assert served != good, "the adapter trained since did not change the tokens"
+            (trained,) = trainer.call([(0, "train", {"steps": 1})], CALL_TIMEOUT_S)
+            (sent,) = trainer.call([(0, "send_vllm_lora", better)], CALL_TIMEOUT_S)  # its version again
+            assert not sent.ok and "is the one served: give each refit a new version" in (sent.message or "")
+            assert completions(url, model="guarded") == served
 
     def test_a_bad_weight_is_an_http_error_naming_it_and_the_version_stays(
         self, tp: int, checkpoints: dict[str, Any], server_and_references: tuple[str, Any]

@@ -150,10 +150,22 @@ class TinyTrainer:
     def refit_lora(self, *, extra: dict[str, list[int]] | None = None, skip: str | None = None) -> int:
         """Send the adapter's tensors through the engine (``extra``: name -> shape of more
         tensors; ``skip``: a tensor left out); how many were sent."""
-        sent = [(n, t) for n, t in self.lora_weights() if n != skip]
-        sent += [(name, torch.zeros(shape)) for name, shape in (extra or {}).items()]
+        sent = self._lora_sent(extra, skip)
         asyncio.run(self.engine.send_weights(iter(sent)))
         return len(sent)
+
+    def send_vllm_lora(
+        self, *, name: str, version: str, extra: dict[str, list[int]] | None = None, skip: str | None = None
+    ) -> list[dict[str, Any]]:
+        """One adapter refit of the server :meth:`connect_vllm` reached (``extra``, ``skip``: as
+        in :meth:`refit_lora`); the workers' accounts."""
+        return self.vllm_engine.send_adapter(
+            name, self._lora_sent(extra, skip), config=self.lora_config, version=version
+        )
+
+    def _lora_sent(self, extra: dict[str, list[int]] | None, skip: str | None) -> list[tuple[str, torch.Tensor]]:
+        sent = [(n, t) for n, t in self.lora_weights() if n != skip]
+        return sent + [(name, torch.zeros(shape)) for name, shape in (extra or {}).items()]
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The bf16 weights, each cast as it is yielded (as a trainer produces them)."""
