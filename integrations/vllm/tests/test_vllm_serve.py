@@ -226,22 +226,19 @@ class RefitsOfVllmServe:
 class InFlight:
     """One streamed greedy completion on a thread of its own: the token ids as they arrive."""
 
-    def __init__(
-        self, url: str, prompt: list[int], max_tokens: int, *, pause: str | None = None, pause_at_headers: bool = False
-    ) -> None:
+    def __init__(self, url: str, prompt: list[int], max_tokens: int, *, pause: str | None = None) -> None:
         """``pause``: a ``/pause`` route (with its query) this thread posts as soon as the first
-        token arrives (with ``pause_at_headers``, as soon as the response's headers do: the
-        server has taken the request), setting ``paused`` (``before_pause``: the tokens it had
-        then); posted here, not by the test's thread, which a loaded machine may wake too
-        late."""
+        token arrives, setting ``paused`` (``before_pause``: the tokens it had then); posted
+        here, not by the test's thread, which a loaded machine may wake too late. ``accepted``
+        is set when the response's headers arrive (the server has taken the request)."""
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
+        self.accepted = threading.Event()
         self.started = threading.Event()
         self.paused = threading.Event()
         self.before_pause = 0
         self._pause = pause
-        self._pause_at_headers = pause_at_headers
         body = {
             "model": "tiny",
             "prompt": prompt,
@@ -257,8 +254,7 @@ class InFlight:
         try:
             with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=CALL_TIMEOUT_S) as response:
                 assert response.status_code == 200, response.text
-                if self._pause is not None and self._pause_at_headers:
-                    self._pause_server(url)
+                self.accepted.set()
                 for line in response.iter_lines():
                     if not line.startswith(b"data: ") or line == b"data: [DONE]":
                         continue
@@ -272,6 +268,7 @@ class InFlight:
         except BaseException as exc:  # noqa: BLE001 - the test reads it
             self.error = exc
         finally:
+            self.accepted.set()
             self.started.set()
             self.paused.set()
 
@@ -471,7 +468,7 @@ class TestServeTensorParallel1(RefitsOfVllmServe):
                     (old,) = greedy_continuations(url, [prompt], [IN_FLIGHT_TOKENS])
                     (trained,) = trainer.call([(0, "train", {"steps": 1})], CALL_TIMEOUT_S)
                     assert trained.ok
-                    stream, before = paused_while_running(url, prompt, at_headers=attempt == PAUSE_TRIES - 1)
+                    stream, before = paused_while_running(url, prompt, paused_first=attempt == PAUSE_TRIES - 1)
                     version = f"new-{i}-{attempt}"
                     (sent,) = trainer.call([(0, "send_vllm", {"weight_version": version})], CALL_TIMEOUT_S)
                     assert sent.ok, sent.describe()
@@ -484,7 +481,7 @@ class TestServeTensorParallel1(RefitsOfVllmServe):
                         break
                     # Every token the old weights': the server had ended the stream before the
                     # pause, the client reading behind it (seen under CI's load: 228 of 240 read
-                    # when it paused); the last try pauses at the headers. Refits that missed
+                    # when it paused); the last try pauses first. Refits that missed
                     # requests in flight fail every try.
                 else:
                     pytest.fail(f"no new-weights token in the stream after any of {PAUSE_TRIES} refits")
@@ -508,32 +505,30 @@ class TestServeTensorParallel1(RefitsOfVllmServe):
             assert weight_version(url) == "kept"
 
 
-def paused_while_running(url: str, prompt: list[int], *, at_headers: bool = False) -> tuple[InFlight, int]:
+def paused_while_running(url: str, prompt: list[int], *, paused_first: bool = False) -> tuple[InFlight, int]:
     """A greedy stream of ``prompt`` and the server paused (``keep``, ``clear_cache=true``)
     while it runs (the stream's thread pauses it at its first token); the stream and how many
-    tokens the client had before the pause. A stream that ended before the server paused is
-    no request in flight: started again, and at the last try (or at once, ``at_headers``)
-    paused as soon as the server has taken the request (its response's headers). Under CI's
-    load the server's front end fell so far behind its engine that the first event a client
-    read held all 240 tokens, three tries in a row; at the headers the request is in the
-    server, which cannot finish it before the pause (it may not have generated a token yet:
-    then all its tokens are the new weights'). (One the server ended while the client still
-    read it is found by its tokens, in the test.)"""
-    for attempt in range(PAUSE_TRIES):
-        stream = InFlight(
-            url,
-            prompt,
-            IN_FLIGHT_TOKENS,
-            pause="pause?mode=keep&clear_cache=true",
-            pause_at_headers=at_headers or attempt == PAUSE_TRIES - 1,
-        )
+    tokens the client had before the pause. A stream that ended before the server paused is no
+    request in flight: started again, and at the last try (or at once, ``paused_first``) sent
+    to a server already paused, which holds it unscheduled until ``/resume`` (vLLM's pause
+    keeps new requests waiting): then all its tokens are the new weights'. Under CI's load the
+    server's front end fell so far behind its engine that the first event a client read held
+    all 240 tokens, three tries in a row, and once even a pause posted at the response's
+    headers came after the last token. (One the server ended while the client still read it
+    is found by its tokens, in the test.)"""
+    pause = "pause?mode=keep&clear_cache=true"
+    for _ in range(0 if paused_first else PAUSE_TRIES - 1):
+        stream = InFlight(url, prompt, IN_FLIGHT_TOKENS, pause=pause)
         assert stream.paused.wait(CALL_TIMEOUT_S) and stream.error is None, stream.error
         paused = requests.get(f"{url}/is_paused", timeout=CALL_TIMEOUT_S).json()["is_paused"]
         if stream.finish_reason is None and paused:
             return stream, stream.before_pause
         stream.join()
         post(url, "resume")
-    pytest.fail(f"the stream ended before the pause in each of {PAUSE_TRIES} tries")
+    post(url, pause)
+    stream = InFlight(url, prompt, IN_FLIGHT_TOKENS)
+    assert stream.accepted.wait(CALL_TIMEOUT_S) and stream.error is None, stream.error
+    return stream, 0
 
 
 class TestServeTensorParallel2(RefitsOfVllmServe):
