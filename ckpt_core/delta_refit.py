@@ -10,7 +10,8 @@ the version its patches were made against and the version it makes; then each we
 whole, under its own name, or, where that is fewer bytes, as a patch, under ``<name>`` +
 :data:`PATCH_SUFFIX`: one ``uint8`` tensor holding the new weight's digest (8 bytes,
 little-endian), the patch's positions and its values (the receiver knows their widths from
-its copy of the weight).
+its copy of the weight); or, past the sender's baseline bound, whole under ``<name>`` +
+:data:`UNTRACKED_SUFFIX`: a weight neither side keeps a copy of.
 
 What it guarantees:
 
@@ -28,7 +29,10 @@ What it guarantees:
 
 What it costs: each side holds a copy of every weight it sent or received (its
 :attr:`Baseline.nbytes`), and the sender compares each weight with its copy (``diff``) and
-copies it (the next baseline).
+copies it (the next baseline). A sender given ``max_baseline_bytes`` keeps copies of the
+weights that fit in it, in the order it sends them (the same weights every refit where the
+order and shapes stay), and sends the rest whole and untracked, so that its destination keeps
+no copy of them either: each side's baseline of one stream stays within that bound.
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ MANIFEST_NAME = "\x00ckpt-engine.delta"
 """The name of a delta refit's first entry (a ``uint8`` tensor of JSON); no weight has it."""
 PATCH_SUFFIX = "\x00patch"
 """Appended to a weight's name when it travels as a patch."""
+UNTRACKED_SUFFIX = "\x00untracked"
+"""Appended to a weight's name when it travels whole and neither side keeps a copy of it."""
+_FORMAT_VERSION = 2  # 2: untracked weights
 _DIGEST = struct.Struct("<Q")
 
 
@@ -108,10 +115,12 @@ def _comparable(old: torch.Tensor, new: torch.Tensor) -> bool:
 
 
 class DeltaSender:
-    """The sender's stage for one destination stream (``destination`` names it in errors)."""
+    """The sender's stage for one destination stream (``destination`` names it in errors),
+    keeping at most ``max_baseline_bytes`` of copies (``None``: every weight; module docstring)."""
 
-    def __init__(self, *, destination: str) -> None:
+    def __init__(self, *, destination: str, max_baseline_bytes: int | None = None) -> None:
         self.destination = destination
+        self.max_baseline_bytes = max_baseline_bytes
         self.baseline = Baseline()
         self._pending: _Pending | None = None
 
@@ -121,15 +130,25 @@ class DeltaSender:
         """``weights`` as this refit sends them: the manifest, then each weight whole or as a
         patch against the baseline, counted into ``stats`` (its delta fields) as they go. The
         weights become the next baseline at :meth:`commit`: a copy of each weight sent whole,
-        each patch kept until then (the caller may change its weights once they were sent)."""
+        each patch kept until then (the caller may change its weights once they were sent);
+        weights past ``max_baseline_bytes`` go whole and untracked."""
         base = self.baseline
         version = uuid.uuid4().hex
         yield MANIFEST_NAME, _manifest(base.version, version)
         sent: dict[str, torch.Tensor | Patch] = {}
+        untracked: set[str] = set()
+        tracked_bytes = 0
         self._pending = None
         for name, tensor in weights:
-            if name in sent:
+            if name in sent or name in untracked:
                 raise WireFormatError(f"{self.destination}: the sender yields weight {name!r} twice in one refit")
+            nbytes = tensor.numel() * tensor.element_size()
+            if self.max_baseline_bytes is not None and tracked_bytes + nbytes > self.max_baseline_bytes:
+                stats.delta_tensors += 1
+                untracked.add(name)
+                yield name + UNTRACKED_SUFFIX, tensor
+                continue
+            tracked_bytes += nbytes
             old = base.tensors.get(name)
             patch = None
             if old is not None and _comparable(old, tensor) and patchable(tensor):
@@ -214,8 +233,12 @@ class DeltaReceiver:
             return None
         refit = self._refit
         stats.delta_tensors += 1
-        if name in refit.kept or name.removesuffix(PATCH_SUFFIX) in refit.kept:
-            raise WireFormatError(f"{self.source} sent weight {name.removesuffix(PATCH_SUFFIX)!r} twice in one refit")
+        weight = name.removesuffix(PATCH_SUFFIX).removesuffix(UNTRACKED_SUFFIX)
+        if weight in refit.kept or weight in refit.untracked:
+            raise WireFormatError(f"{self.source} sent weight {weight!r} twice in one refit")
+        if name.endswith(UNTRACKED_SUFFIX):  # past the sender's bound: no copy kept
+            refit.untracked.add(weight)
+            return weight, tensor
         if not name.endswith(PATCH_SUFFIX):
             refit.kept[name] = copy_bits(tensor.detach())
             return name, tensor
@@ -258,11 +281,12 @@ class DeltaReceiver:
 @dataclasses.dataclass
 class _Receiving:
     """A refit a receiver takes: the baseline it patches, the version it makes, each weight
-    it kept, and the values its patches overwrote (newest last)."""
+    it kept, those it passed on untracked, and the values its patches overwrote (newest last)."""
 
     base: Baseline
     version: str
     kept: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    untracked: set[str] = dataclasses.field(default_factory=set)
     overwritten: list[tuple[str, torch.Tensor, Patch]] = dataclasses.field(default_factory=list)
 
     def patch(self, name: str, held: torch.Tensor, patch: Patch) -> None:
@@ -286,7 +310,8 @@ class DeltaState:
 
     METADATA_KEY = "delta_baseline"
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_baseline_bytes: int | None = None) -> None:
+        self.max_baseline_bytes = max_baseline_bytes  # each sender's bound
         self.senders: dict[tuple[int, ...], DeltaSender] = {}
         self.receiver = DeltaReceiver(source="the policy")
 
@@ -300,7 +325,9 @@ class DeltaState:
         streams no longer sent to are dropped, with their memory."""
         senders = {}
         for ranks, label in streams.items():
-            sender = self.senders.get(ranks) or DeltaSender(destination=label)
+            sender = self.senders.get(ranks) or DeltaSender(
+                destination=label, max_baseline_bytes=self.max_baseline_bytes
+            )
             if any(reported.get(rank) != sender.baseline.version for rank in ranks):
                 sender.forget()
             senders[ranks] = sender
@@ -327,15 +354,18 @@ def _count_patch(stats: RefitStats, patch: Patch, weight: torch.Tensor) -> None:
 
 
 def _manifest(base: str | None, version: str) -> torch.Tensor:
-    data = json.dumps({"format": "ckpt-engine.delta", "version": 1, "base": base, "makes": version})
+    data = json.dumps({"format": "ckpt-engine.delta", "version": _FORMAT_VERSION, "base": base, "makes": version})
     return torch.frombuffer(bytearray(data.encode()), dtype=torch.uint8)
 
 
 def _read_manifest(tensor: torch.Tensor, source: str) -> tuple[str | None, str]:
     try:
         data = json.loads(bytes(tensor.cpu().numpy().tobytes()))
-        if data["format"] != "ckpt-engine.delta" or data["version"] != 1:
-            raise ValueError(f"format {data['format']!r} version {data['version']!r}")
+        if data["format"] != "ckpt-engine.delta" or data["version"] != _FORMAT_VERSION:
+            raise ValueError(
+                f"format {data['format']!r} version {data['version']!r}, this ckpt-core reads version "
+                f"{_FORMAT_VERSION}: give both sides the same ckpt-core"
+            )
         base, makes = data["base"], data["makes"]
         if not (base is None or isinstance(base, str)) or not isinstance(makes, str):
             raise ValueError("base and makes must be version strings")

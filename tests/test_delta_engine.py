@@ -225,3 +225,45 @@ def test_delta_on_one_side_only_is_refused_at_init() -> None:
     policy, rollout = InProcessEngine(bucket_size=BUCKET, delta=True), InProcessEngine(bucket_size=BUCKET)
     with pytest.raises(EngineOptionError, match="delta"):
         connect(policy, rollout)
+
+
+def test_a_bounded_baseline_bounds_both_sides_and_still_patches_what_fits() -> None:
+    """``delta_max_baseline_bytes`` on the policy: each side keeps copies of exactly the weights
+    that fit in it, in the order sent (the rollout follows the sender's marks, with no option
+    of its own); refits arrive bit for bit, and a small change moves the weights past the bound
+    (and those no patch can shrink) whole, the rest as patches."""
+    weights = version(0)
+    bound = sum(t.nbytes for _, t in weights) // 2
+    fits, kept_bytes = set(), 0
+    for name, tensor in weights:
+        if kept_bytes + tensor.nbytes <= bound:
+            fits.add(name)
+            kept_bytes += tensor.nbytes
+    whole_part = sum(t.nbytes for name, t in weights if name not in fits or not patchable(t))
+    policy = InProcessEngine(bucket_size=BUCKET, delta=True, delta_max_baseline_bytes=bound)
+    rollout = InProcessEngine(bucket_size=BUCKET, delta=True)
+    connect(policy, rollout)
+    try:
+        whole_bytes = refit_ok(policy, rollout, weights)
+        for k in range(1, 6):
+            moved = refit_ok(policy, rollout, version(k))
+            assert policy.delta_baseline_bytes == rollout.delta_baseline_bytes == kept_bytes <= bound
+            assert moved >= whole_part, (k, moved, whole_part)  # past the bound: whole every time
+            if k in (1, 2, 3):  # 0, 0.01%, 1% changed: what is kept travels as patches
+                assert moved < whole_part + 0.1 * (whole_bytes - whole_part), (k, moved, whole_part, whole_bytes)
+    finally:
+        policy.finalize()
+        rollout.finalize()
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        ({"delta_max_baseline_bytes": 1 << 20}, "delta_max_baseline_bytes bounds delta refits' copies; it needs delta"),
+        ({"delta": True, "delta_max_baseline_bytes": -1}, "delta_max_baseline_bytes"),
+        ({"delta": True, "delta_max_baseline_bytes": 1.5}, "delta_max_baseline_bytes"),
+    ],
+)
+def test_a_bad_baseline_bound_is_refused(options: dict[str, Any], said: str) -> None:
+    with pytest.raises(EngineOptionError, match=said):
+        InProcessEngine(bucket_size=BUCKET, **options)

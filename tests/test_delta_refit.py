@@ -13,6 +13,7 @@ import torch
 from ckpt_core.delta_refit import (
     MANIFEST_NAME,
     PATCH_SUFFIX,
+    UNTRACKED_SUFFIX,
     BaselineMismatchError,
     DeltaReceiver,
     DeltaSender,
@@ -112,6 +113,50 @@ def test_twenty_refits_in_a_row_arrive_bit_for_bit_and_small_changes_travel_as_p
             assert stats.patched_tensors == 0 and stats.payload_bytes >= whole_bytes, stats
     assert sender.baseline.version == receiver.baseline.version
     assert sender.baseline.nbytes == receiver.baseline.nbytes == sum(t.nbytes for t in weights.values())
+
+
+@pytest.mark.parametrize("bound", [0, 30_000, 60_000])
+def test_a_bounded_baseline_keeps_what_fits_on_both_sides_and_sends_the_rest_whole(bound: int) -> None:
+    """A sender bounded to ``bound`` bytes of copies keeps the weights that fit, in the order
+    sent, and no more; its receiver keeps the same ones (the rest arrive untracked); weights
+    past the bound travel whole at every refit, the others patched; every refit arrives bit
+    for bit, over refits whose changes vary."""
+    generator = torch.Generator().manual_seed(7)
+    sender = DeltaSender(destination="rollout 0", max_baseline_bytes=bound)
+    receiver = DeltaReceiver(source="policy 0")
+    weights = model(generator)
+    fits, total = [], 0
+    for name, tensor in weights.items():
+        if total + tensor.nbytes <= bound:
+            fits.append(name)
+            total += tensor.nbytes
+    assert 0 < len(fits) < len(weights) or bound == 0, fits  # the bound cuts the model somewhere
+    assert_same(refit(sender, receiver, weights), weights)
+    for k in range(6):
+        weights = step(weights, FRACTIONS[k % len(FRACTIONS)] or 0.01, generator)
+        stats = RefitStats()
+        assert_same(refit(sender, receiver, weights, stats), weights)
+        assert sorted(sender.baseline.tensors) == sorted(receiver.baseline.tensors) == sorted(fits)
+        assert sender.baseline.nbytes == receiver.baseline.nbytes == total <= bound
+        untracked_bytes = sum(t.nbytes for name, t in weights.items() if name not in fits)
+        assert stats.payload_bytes >= untracked_bytes  # the weights past the bound: whole every time
+        patchable_fits = [name for name in fits if weights[name].numel() > 1]
+        if FRACTIONS[k % len(FRACTIONS)] in (0.0, 0.0001, 0.01):
+            assert stats.patched_tensors == len(patchable_fits), (stats, patchable_fits)
+
+
+def test_an_untracked_weight_sent_twice_is_refused() -> None:
+    sender = DeltaSender(destination="rollout 0", max_baseline_bytes=0)
+    weights = iter([("w", torch.ones(4)), ("w", torch.ones(4))])
+    with pytest.raises(WireFormatError, match="yields weight 'w' twice"):
+        list(sender.encode(weights, RefitStats()))
+    entries = list(
+        DeltaSender(destination="rollout 0", max_baseline_bytes=0).encode(iter([("w", torch.ones(4))]), RefitStats())
+    )
+    manifest, (name, tensor) = entries
+    assert name == "w" + UNTRACKED_SUFFIX
+    with pytest.raises(WireFormatError, match="sent weight 'w' twice"):
+        list(DeltaReceiver(source="policy 0").decode(iter([manifest, (name, tensor), ("w", tensor)]), RefitStats()))
 
 
 def test_a_refit_that_fails_midway_leaves_both_baselines_as_they_were() -> None:

@@ -44,6 +44,7 @@ def test_subclasses_inherit_extend_and_narrow_the_schema() -> None:
         "shard_expert_weights",
         "quantize_for_rollout",
         "delta",
+        "delta_max_baseline_bytes",
         "borrow_received_tensors",
     ]
     assert DistributedEngine.options.names() == [*base, "topology", "host", "auth_token"]

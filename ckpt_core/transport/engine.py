@@ -47,7 +47,7 @@ from ckpt_core.errors import (
 )
 from ckpt_core.hooks import RefitNotifier
 from ckpt_core.layout import LayoutSelector, WeightLayout, check_layouts, is_ckpt_layout, select_weights
-from ckpt_core.options import MAX_TIMEOUT_S, REQUIRED, Option, OptionSchema, OptionValues
+from ckpt_core.options import MAX_TIMEOUT_S, REQUIRED, Option, OptionSchema, OptionValues, check_count
 from ckpt_core.quantize import QuantizationSpec, quantize_weights
 from ckpt_core.stats import RefitStats, Role
 from ckpt_core.topology import Topology
@@ -64,6 +64,11 @@ class _State(enum.Enum):
     POLICY = "initialized as a policy worker"
     ROLLOUT = "initialized as a rollout worker"
     FAILED = "failed (a refit failed: call finalize(), then prepare() and init again)"
+
+
+def _byte_bound(option: Option, owner: str, value: Any) -> int | None:
+    """A bound in bytes: an ``int`` >= 0, or ``None`` for none."""
+    return None if value is None else check_count(owner, option.name, value)
 
 
 class BucketedEngine(CheckpointEngine):
@@ -111,6 +116,8 @@ class BucketedEngine(CheckpointEngine):
       copy of every weight it sent or received (kept across ``finalize()``): a rollout reports
       the version it holds in its ``prepare()`` metadata, and a sender whose destination holds
       another (a restarted rollout, a failed refit) sends every weight whole.
+      ``delta_max_baseline_bytes`` bounds the copies per destination stream: weights past it
+      (in the order sent) travel whole, and neither side keeps a copy of them.
     * ``borrow_received_tensors`` (default off): a tensor that arrived whole inside one bucket
       is handed out as a view of the transport's bucket buffer instead of a copy (tensors that
       spanned buckets or move to ``merge_device`` stay copies; the rollout says in its
@@ -186,6 +193,14 @@ class BucketedEngine(CheckpointEngine):
             "keep a copy of every weight",
             agreed=True,
         ),
+        Option.custom(
+            "delta_max_baseline_bytes",
+            None,
+            "policy side, with delta: the most bytes of copies kept per destination stream (by "
+            "each side); weights past it, in the order sent, always travel whole and uncopied",
+            parse=_byte_bound,
+            kind="int >= 0 (bytes) or None: no bound",
+        ),
         Option.flag(
             "borrow_received_tensors",
             False,
@@ -233,8 +248,14 @@ class BucketedEngine(CheckpointEngine):
         self.borrow_received_tensors: bool = values.borrow_received_tensors
         self.quantize_for_rollout: bool = values.quantize_for_rollout
         self.delta: bool = values.delta
+        if values.delta_max_baseline_bytes is not None and not self.delta:
+            raise EngineOptionError(
+                f"{type(self).__name__}: delta_max_baseline_bytes bounds delta refits' copies; it needs delta=True"
+            )
         # With delta: the baselines, kept across finalize() (they are the option's point).
-        self._delta: DeltaState | None = DeltaState() if self.delta else None
+        self._delta: DeltaState | None = (
+            DeltaState(max_baseline_bytes=values.delta_max_baseline_bytes) if self.delta else None
+        )
         # With quantize_for_rollout: what the destinations hold quantized, and how messages name them.
         self._quantization: tuple[QuantizationSpec, str] | None = None
         self._target_layout: dict[str, Any] | None = None
