@@ -96,6 +96,22 @@ def test_exit_codes_and_signals_are_reported_at_once_while_a_sibling_runs_on(imp
         assert not slept.ok and slept.error_type == "TimeoutError"  # stopped past its deadline
 
 
+@pytest.mark.parametrize("start_method", METHODS)
+def test_a_killed_worker_restarts_as_a_fresh_process_while_its_siblings_run_on(
+    start_method: str, import_root: Path
+) -> None:
+    with LocalProcessPool([PROBE] * 2, env=env_with_path(import_root), start_method=start_method) as pool:
+        before = [facts(pool, i)["pid"] for i in range(2)]
+        pool.kill(1)
+        (killed,) = pool.call([(1, "facts", {"names": []})], 10)
+        assert not killed.ok and "SIGKILL" in (killed.message or ""), killed.describe()
+        pool.restart(1)
+        after = [facts(pool, i)["pid"] for i in range(2)]
+        assert after[0] == before[0] and after[1] not in before, (before, after)
+        pool.restart(0)  # a running one is stopped first
+        assert facts(pool, 0)["pid"] not in (*before, *after)
+
+
 def test_an_unknown_start_method_is_refused() -> None:
     with pytest.raises(InvalidArgumentError, match=r"start_method must be one of .*got 'fork'"):
         LocalProcessPool([PROBE], start_method="fork")

@@ -148,10 +148,12 @@ class LocalProcessPool:
             )
         labels = list(labels) if labels is not None else [f"worker {i}" for i in range(len(services))]
         env = _with_thread_share(env, len(labels))
+        self._services = [dict(spec) for spec in services]
+        self._start = (env, start_method, start_timeout_s, tuple(preload))  # how each worker starts
         self._workers: list[_Worker] = []
         try:
             for label in labels:
-                self._workers.append(_Worker(label, env, start_method, start_timeout_s, tuple(preload)))
+                self._workers.append(_Worker(label, *self._start))
             results = self.call([(i, "__init__", dict(spec)) for i, spec in enumerate(services)], start_timeout_s)
             failed = [r for r in results if not r.ok]
             if failed:
@@ -169,6 +171,19 @@ class LocalProcessPool:
     def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to worker ``index`` (tests use it to simulate a crashed peer)."""
         self._workers[index].process.send_signal(sig)
+
+    def restart(self, index: int) -> None:
+        """Replace worker ``index`` with a fresh process running a new instance of its service
+        (what a supervisor does after a crash): the old process is stopped (killed, if it still
+        runs) and reaped first. ``RuntimeError`` if the new one does not start."""
+        old = self._workers[index]
+        old.process.kill()
+        old.close()
+        self._workers[index] = _Worker(old.label, *self._start)
+        start_timeout_s = self._start[2]
+        (started,) = self.call([(index, "__init__", dict(self._services[index]))], start_timeout_s)
+        if not started.ok:
+            raise RuntimeError(f"restarting {old.label} failed:\n{started.describe()}")
 
     def call(self, calls: Sequence[tuple[int, str, dict[str, Any]]], timeout_s: float) -> list[CallResult]:
         """Call ``method(**kwargs)`` on each listed worker concurrently; one result per call.
