@@ -37,11 +37,6 @@ _SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 _PEFT_PREFIX = "base_model.model."
 
 
-KEPT_VERSIONS = 2
-"""Versions of one adapter a rank holds: the one it last loaded and the newest it received (a
-version the server has not switched to yet; the old one must stay loadable until it does)."""
-
-
 @dataclasses.dataclass(frozen=True)
 class HeldAdapter:
     """One version of one adapter as a rank received it."""
@@ -50,10 +45,6 @@ class HeldAdapter:
     version: str
     config: dict[str, Any]
     tensors: dict[str, torch.Tensor]  # as received (each LoRAModel is built from copies)
-
-    @property
-    def path(self) -> str:
-        return adapter_path(self.name, self.version)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -171,8 +162,9 @@ class AdapterStore:
         return store
 
     def hold(self, adapter: HeldAdapter) -> None:
-        """Keep ``adapter`` once it passed every check (module docstring); older versions of
-        its name go, but for the one vLLM loaded last (:data:`KEPT_VERSIONS`)."""
+        """Keep ``adapter`` once it passed every check (module docstring). Of its name's older
+        versions only the one vLLM loaded last stays: until every rank switched to the new one
+        (the server's load), vLLM may need to load the old one again (after an eviction)."""
         if not adapter.version or "@" in adapter.version:
             raise AdapterError(f"an adapter's version is a non-empty string without '@', got {adapter.version!r}")
         loaded = self._loaded.get(adapter.name, (0, None))[1]
