@@ -3,14 +3,15 @@ paired, broadcast and fanned out with destination layouts, through a coordinator
 received weight's digest against what its sender's weights hold. Small changes must travel as
 patches, and a rollout whose process is killed and started again between refits must get whole
 weights, then patches again, while its neighbour keeps patching (unless they share one
-broadcast stream: then both get whole weights)."""
+broadcast stream: then both get whole weights); and a refit that fails midway must leave every
+baseline as it was, so that the same step travels as patches after it."""
 
 from __future__ import annotations
 
 import pytest
 
 from ckpt_core.layout import WeightLayout, slices, whole
-from ckpt_core.orchestration.coordinator import RefitCoordinator, RefitReport
+from ckpt_core.orchestration.coordinator import RefitCoordinator, RefitFailedError, RefitReport
 from ckpt_core.orchestration.local import LocalProcessPool
 from ckpt_core.orchestration.worker import refit_worker_specs
 from ckpt_core.testing.weights import drifting
@@ -19,6 +20,7 @@ BUCKET = 1 << 16
 FRACTIONS = [0.0, 0.0001, 0.01, 0.1, 1.0]  # of refits 1, 2, ... in turn (drifting's default)
 PARAMS = {"seed": 5, "elements": 4096, "fractions": FRACTIONS}
 WEIGHTS = "ckpt_core.testing.weights:drifting"
+FAILING = "tests.helpers.failing_weights:drifting_then_failing"
 
 
 def half_layout(rank: int) -> WeightLayout:
@@ -95,6 +97,18 @@ def test_delta_refits_between_processes_patch_small_changes_and_survive_a_restar
         else:
             assert moved[0] < 0.25 * first[0], moved
         moved = refit(coordinator, 7)
+        assert all(moved[rank] < 0.25 * first[rank] for rank in range(2)), (moved, first)
+
+        # A refit that fails midway (the sender's weights raise near their end, after buckets of
+        # patches were applied): every side puts back or keeps its baseline, so that after a
+        # new init other weights (version 8, not the failed 9: patches set values, so a retry of
+        # the same weights would hide a baseline left half patched) arrive bit for bit as patches.
+        failing = {**PARAMS, "version": 9, "fail_after": 45}  # of 49 weights
+        with pytest.raises(RefitFailedError):
+            coordinator.refit(weights=FAILING, weights_params=failing)
+        coordinator.finalize()
+        coordinator.setup()
+        moved = refit(coordinator, 8)  # 1% changed since version 7
         assert all(moved[rank] < 0.25 * first[rank] for rank in range(2)), (moved, first)
         coordinator.finalize()
 
