@@ -77,12 +77,14 @@ class TestTensorParallel1:
     the quantizing refits."""
 
     @pytest.fixture(scope="class")
-    def engines(self) -> Iterator[OneEngineAtATime]:
+    @classmethod
+    def engines(cls) -> Iterator[OneEngineAtATime]:
         with OneEngineAtATime() as engines:
             yield engines
 
     @pytest.fixture(scope="class")
-    def references(self, engines: OneEngineAtATime, checkpoints: dict[str, Any]) -> list[list[list[int]]]:
+    @classmethod
+    def references(cls, engines: OneEngineAtATime, checkpoints: dict[str, Any]) -> list[list[list[int]]]:
         """What the online engine generates from W1 at start-up and from W2 and W3 after its
         own reload (it is left at W3)."""
         first, *later = checkpoints["weights"]
@@ -157,8 +159,9 @@ class TestShardedAtTensorParallel2:
     refitted."""
 
     @pytest.fixture(scope="class")
+    @classmethod
     def engine_and_references(
-        self, checkpoints: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+        cls, checkpoints: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
     ) -> Iterator[tuple[Any, list[list[list[int]]]]]:
         root = tmp_path_factory.mktemp("fp8_tp2")
         first, *later = [vllm_quantized_checkpoint(w, root / w.name) for w in checkpoints["weights"]]

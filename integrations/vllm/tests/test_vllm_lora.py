@@ -135,7 +135,8 @@ class TestTensorParallel1:
     """One engine, in this process (see conftest.vllm_engine), for the class's tests."""
 
     @pytest.fixture(scope="class")
-    def lora_llm(self, checkpoints: dict[str, Any]) -> Iterator[Any]:
+    @classmethod
+    def lora_llm(cls, checkpoints: dict[str, Any]) -> Iterator[Any]:
         with vllm_engine(checkpoints["start"], 1, **VLLM_ENGINE_ARGS, **LORA_ENGINE) as llm:
             yield llm
 
