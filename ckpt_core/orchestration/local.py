@@ -149,7 +149,8 @@ class LocalProcessPool:
         labels = list(labels) if labels is not None else [f"worker {i}" for i in range(len(services))]
         env = _with_thread_share(env, len(labels))
         self._services = [dict(spec) for spec in services]
-        self._start = (env, start_method, start_timeout_s, tuple(preload))  # how each worker starts
+        self._start_timeout_s = start_timeout_s
+        self._start = (env, start_method, start_timeout_s, tuple(preload))  # _Worker's arguments after its label
         self._workers: list[_Worker] = []
         try:
             for label in labels:
@@ -180,8 +181,7 @@ class LocalProcessPool:
         old.process.kill()
         old.close()
         self._workers[index] = _Worker(old.label, *self._start)
-        start_timeout_s = self._start[2]
-        (started,) = self.call([(index, "__init__", dict(self._services[index]))], start_timeout_s)
+        (started,) = self.call([(index, "__init__", dict(self._services[index]))], self._start_timeout_s)
         if not started.ok:
             raise RuntimeError(f"restarting {old.label} failed:\n{started.describe()}")
 

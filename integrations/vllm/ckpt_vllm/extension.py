@@ -86,7 +86,7 @@ class CkptEngineWorkerExtension:
         """This rank's status (:meth:`~ckpt_vllm.transfer.CkptWeightTransferEngine.status`),
         with the adapters it holds in memory (:meth:`ckpt_vllm.lora.AdapterStore.describe`)."""
         status = self._ckpt_transfer().status()
-        store = getattr(self, "_ckpt_engine_adapters", None)
+        store = AdapterStore.find(self)
         return {**status, "adapters": store.describe() if store is not None else {}}
 
     @_replying

@@ -139,11 +139,18 @@ class AdapterStore:
         self._held: dict[str, dict[str, HeldAdapter]] = {}  # name -> version -> adapter
         self._loaded: dict[str, tuple[int, str]] = {}  # name -> (id, version) vLLM last loaded
 
+    _ATTRIBUTE = "_ckpt_engine_adapters"  # where a vLLM worker keeps its store
+
+    @classmethod
+    def find(cls, worker: Any) -> AdapterStore | None:
+        """``worker``'s store, or ``None`` before its first adapter."""
+        return getattr(worker, cls._ATTRIBUTE, None)
+
     @classmethod
     def of(cls, worker: Any) -> AdapterStore:
         """``worker``'s store (vLLM's worker), made on first use: from then on its LoRA manager
         loads ``ckpt-engine://`` paths from the store."""
-        store = getattr(worker, "_ckpt_engine_adapters", None)
+        store = cls.find(worker)
         if store is None:
             manager = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
             if manager is None:
@@ -158,7 +165,7 @@ class AdapterStore:
                 return load_from_path(request)
 
             manager._load_adapter = load_adapter
-            worker._ckpt_engine_adapters = store
+            setattr(worker, cls._ATTRIBUTE, store)
         return store
 
     def hold(self, adapter: HeldAdapter) -> None:
