@@ -350,6 +350,46 @@ class TestServeTensorParallel1(RefitsOfVllmServe):
             assert not sent.ok and "is the one served: give each refit a new version" in (sent.message or "")
             assert completions(url, model="guarded") == served
 
+    def test_two_adapters_serve_side_by_side_and_refit_independently_over_http(
+        self, tp: int, checkpoints: dict[str, Any], server_and_references: tuple[str, Any], tmp_path: Path
+    ) -> None:
+        """Adapters "early" (after one step) and "late" (after two) served at once by the
+        server; refitting "early" again (after three steps) leaves "late" generating as before
+        and ``/v1/models`` naming its version. Each equals its version loaded from disk by the
+        server itself."""
+        url, _ = server_and_references
+        with trainer_pool(checkpoints["start"], "gloo_cpu") as trainer:
+            connect(trainer, url, tp)
+            post(url, "pause")
+            try:  # the server at the trainer's base weights, which the adapters are trained on
+                (sent,) = trainer.call([(0, "send_vllm", {"weight_version": "two-adapters-base"})], CALL_TIMEOUT_S)
+            finally:
+                post(url, "resume")
+            assert sent.ok, sent.describe()
+            (added,) = trainer.call([(0, "add_lora", {"seed": 2})], CALL_TIMEOUT_S)
+            assert added.ok, added.describe()
+
+            def step_and_refit(name: str, version: str) -> list[list[int]]:
+                """One step, the adapter sent as ``name``; its tokens, checked against vLLM's own
+                load of the same adapter saved."""
+                (trained,) = trainer.call([(0, "train", {"steps": 1})], CALL_TIMEOUT_S)
+                assert trained.ok, trained.describe()
+                (sent,) = trainer.call([(0, "send_vllm_lora", {"name": name, "version": version})], CALL_TIMEOUT_S)
+                assert sent.ok, sent.describe()
+                (saved,) = trainer.call([(0, "save_lora", {"path": str(tmp_path / version)})], CALL_TIMEOUT_S)
+                assert saved.ok, saved.describe()
+                served = completions(url, model=name)
+                assert served == served_from_disk(url, f"disk-{version}", tmp_path / version), (name, version)
+                return served
+
+            step_and_refit("early", "early-1")
+            late = step_and_refit("late", "late-2")
+            early = step_and_refit("early", "early-3")
+            assert early != late, "the two adapters generate alike: independence is not tested"
+            assert completions(url, model="late") == late, "refitting early changed late"
+            paths = adapter_paths(url)
+            assert (paths["early"], paths["late"]) == ("ckpt-engine://early@early-3", "ckpt-engine://late@late-2")
+
     def test_a_bad_weight_is_an_http_error_naming_it_and_the_version_stays(
         self, tp: int, checkpoints: dict[str, Any], server_and_references: tuple[str, Any]
     ) -> None:
