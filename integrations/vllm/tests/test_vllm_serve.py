@@ -11,7 +11,8 @@ vLLM's own reload of W2 and W3. At tensor-parallel 1 also: bad weights, a traine
 mid-update and an update a dead trainer left open (HTTP errors, the old version kept,
 recovery), requests in flight carried across a refit in ``keep`` mode, and
 ``examples/vllm_serve_rl_loop.py`` refitting this server. The servers serve LoRA too: adapter
-refits over HTTP (``send_adapter``) at both sizes over both transports, bad adapters at tensor-parallel 1.
+refits over HTTP (``send_adapter``) at both sizes over both transports; bad adapters and two
+adapters refitted independently at tensor-parallel 1.
 """
 
 from __future__ import annotations
