@@ -19,6 +19,7 @@ rank, not only the first failure.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -98,14 +99,19 @@ class CkptEngineWorkerExtension:
         (:class:`ckpt_vllm.lora.AdapterStore`); with ``lora_id``, served under it at once in
         place of the previous version, else when vLLM is asked to load its path (the server's
         ``/v1/load_lora_adapter``). The version received (``lora_id``, ``version``, tensors,
-        bytes)."""
+        bytes) and this rank's ``seconds`` receiving it, checking and holding it, and
+        installing it (0 without ``lora_id``)."""
+        started = time.perf_counter()
         tensors = self._ckpt_transfer().receive_adapter()
+        received = time.perf_counter()
         store = AdapterStore.of(self)
         adapter = HeldAdapter(name, str(version), dict(config), tensors)
         store.hold(adapter)
+        held = time.perf_counter()
         if lora_id is not None:
             store.install(name, adapter.version, lora_id)
-        return {"lora_id": lora_id, **adapter.describe()}
+        seconds = {"receive": received - started, "hold": held - received, "install": time.perf_counter() - held}
+        return {"lora_id": lora_id, **adapter.describe(), "seconds": seconds}
 
     @_replying
     def ckpt_engine_remove_adapter(self, *, name: str) -> None:
