@@ -18,11 +18,14 @@ A and B, ready in memory (bf16), alternate so every refit changes the model. For
   worker, of the same version held there in memory (its layerwise reload, what a refit streams
   into), timed from this process around the ``collective_rpc`` as the refits are.
 
-Every refit and load is followed by greedy tokens, which must equal that engine's own reload of
-the version from disk (an error otherwise). Writes ``http_vs_offline.json`` and ``.md`` into
-``--out``; exits 1 unless the goals hold: HTTP within 1.2x of offline, each refit within 1.3x
-of the memory load. Each timed call starts after 1.5 s with both engines idle (vLLM's
-processes spin for a second after each call, and both engines share a core here).
+Beside each wall time, the CPU seconds spent on it by this process (the trainer) and by the
+worker's process (every thread: the transport's copies as well as vLLM's load), which bound how
+fast it can be on this machine's CPUs. Every refit and load is followed by greedy tokens, which
+must equal that engine's own reload of the version from disk (an error otherwise). Writes
+``http_vs_offline.json`` and ``.md`` into ``--out``; exits 1 unless the goals hold: HTTP within
+1.2x of offline, each refit within 1.3x of the memory load. Each timed call starts after 1.5 s
+with both engines idle (vLLM's processes spin for a second after each call, and both engines
+share a core here).
 """
 
 from __future__ import annotations
@@ -73,11 +76,12 @@ class HeldWeights(CkptEngineWorkerExtension):
             _HELD[version] = list(load_file(os.path.join(path, "model.safetensors")).items())
         return sum(t.nbytes for weights in _HELD.values() for _, t in weights)
 
-    def load_held_weights(self, version: str) -> float:
-        """vLLM's reload of ``version`` from this worker's memory; seconds in the worker."""
-        start = time.perf_counter()
+    def load_held_weights(self, version: str) -> tuple[float, float]:
+        """vLLM's reload of ``version`` from this worker's memory; seconds in the worker, and
+        its process's CPU seconds."""
+        start, cpu_start = time.perf_counter(), time.process_time()
         self.model_runner.reload_weights(weights_iterator=iter(_HELD[version]), is_checkpoint_format=True)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu_start
 
 
 class OfflineClient:
@@ -163,14 +167,16 @@ def offline_tokens(llm: Any) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def timed(call: Callable[[], Any]) -> float:
+def timed(call: Callable[[], Any], row: dict[str, Any], method: str) -> float:
     # Both engines idle first: both share a core here, and after each call vLLM's processes
     # spin for a while (a worker polls its RPC queue for 1 s after each read, shm_broadcast's
     # busy_loop_s; OpenMP threads spin after a step). Measured: the first call into one engine
     # right after the other generated took about 0.9 s longer.
+    # The CPU seconds of this process (the trainer's, all its threads) go into ``row``.
     time.sleep(IDLE_S)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     call()
+    row[f"{method}_trainer_cpu_s"] = time.process_time() - cpu_start
     return time.perf_counter() - start
 
 
@@ -227,6 +233,7 @@ def _run_in(workdir: Path, backends: list[str], reps: int, bucket_size: int, lay
                 "tensors": len(versions["A"]),
                 "bucket_size": bucket_size,
                 "held_in_worker_bytes": held,
+                "cpus": len(os.sched_getaffinity(0)),
                 "goals": {"http_over_offline": HTTP_GOAL, "refit_over_memory_load": MEMORY_GOAL},
                 "backends": {},
             }
@@ -263,22 +270,30 @@ def run_backend(
     tokens = {"http": server.tokens, "offline": lambda: offline_tokens(llm)}
 
     def memory_load(version: str, row: dict[str, Any]) -> float:
-        in_worker: list[float] = []
-        seconds = timed(lambda: in_worker.extend(llm.collective_rpc("load_held_weights", args=(version,))))
-        row.update(memory_load_worker_s=in_worker[0])
+        in_worker: list[tuple[float, float]] = []
+        seconds = timed(
+            lambda: in_worker.extend(llm.collective_rpc("load_held_weights", args=(version,))), row, "memory_load"
+        )
+        row.update(memory_load_worker_s=in_worker[0][0], memory_load_worker_cpu_s=in_worker[0][1])
         return seconds
 
     def offline_refit(version: str, row: dict[str, Any]) -> float:
-        seconds = timed(lambda: engines["offline"].send_weights(versions[version], weight_version=version))
+        seconds = timed(
+            lambda: engines["offline"].send_weights(versions[version], weight_version=version), row, "offline_refit"
+        )
         (report,) = llm.collective_rpc("ckpt_engine_report")  # the worker's side of it
         row.update(offline_worker_s=report["result"]["wall_seconds"])
+        row.update(offline_refit_worker_cpu_s=report["result"]["cpu_seconds"])
         row.update(offline_worker_wait_s=report["result"]["receive_wait_seconds"])
         return seconds
 
     def http_refit(version: str, row: dict[str, Any]) -> float:
-        seconds = timed(lambda: engines["http"].send_weights(versions[version], weight_version=version))
+        seconds = timed(
+            lambda: engines["http"].send_weights(versions[version], weight_version=version), row, "http_refit"
+        )
         (report,) = server.post("collective_rpc", {"method": "ckpt_engine_report"})["results"]
         row.update(http_worker_s=report["result"]["wall_seconds"])
+        row.update(http_refit_worker_cpu_s=report["result"]["cpu_seconds"])
         row.update(http_worker_wait_s=report["result"]["receive_wait_seconds"])
         return seconds
 
@@ -310,6 +325,9 @@ def run_backend(
     median = {m: statistics.median(r[f"{m}_s"] for r in rows) for m in methods}
     for part in ("http_worker", "http_worker_wait", "offline_worker", "offline_worker_wait", "memory_load_worker"):
         median[part] = statistics.median(r[f"{part}_s"] for r in rows)
+    for method in methods:
+        for side in ("trainer", "worker"):
+            median[f"{method}_{side}_cpu"] = statistics.median(r[f"{method}_{side}_cpu_s"] for r in rows)
     ratios = {
         "http_over_offline": median["http_refit"] / median["offline_refit"],
         "http_over_memory_load": median["http_refit"] / median["memory_load"],
@@ -358,6 +376,22 @@ def report_table(r: dict[str, Any]) -> str:
             f"| {backend} | {m['http_worker']:.3f} ({m['http_worker_wait']:.3f}) "
             f"| {m['offline_worker']:.3f} ({m['offline_worker_wait']:.3f}) | {m['memory_load_worker']:.3f} |"
         )
+    cores = r.get("cpus")
+    lines += [
+        "",
+        f"CPU seconds of each (the trainer's process, the worker's process; every thread; {cores} CPUs here), and "
+        "the least time they take on these CPUs (their sum over the CPU count):",
+        "",
+        "| backend | `vllm serve` over HTTP | offline `LLM` | vLLM's load from memory |",
+        "| --- | --- | --- | --- |",
+    ]
+    for backend, b in r["backends"].items():
+        m = b["median_s"]
+        cells = []
+        for method in ("http_refit", "offline_refit", "memory_load"):
+            trainer, worker = m[f"{method}_trainer_cpu"], m[f"{method}_worker_cpu"]
+            cells.append(f"{trainer:.3f} + {worker:.3f} (>= {(trainer + worker) / cores:.3f})")
+        lines.append(f"| {backend} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

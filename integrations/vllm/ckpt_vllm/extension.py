@@ -71,8 +71,9 @@ class CkptEngineWorkerExtension:
     @_replying
     def ckpt_engine_report(self) -> dict[str, Any] | None:
         """The report of the last refit this rank loaded (``None`` before any): tensors, bytes,
-        the engine's statistics, digests (with ``verify``), bytes cloned while borrowing, seconds waiting
-        for batches, memory (RSS before, peak, heap trims)."""
+        the engine's statistics, digests (with ``verify``), bytes cloned while borrowing, seconds
+        (wall, waiting for batches, and the CPU seconds of the worker's process), memory (RSS
+        before, peak, heap trims)."""
         return self._ckpt_transfer().last_report
 
     @_replying
