@@ -29,12 +29,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -45,25 +41,20 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from http_vs_offline import VERSIONS, OfflineClient, make_versions, offline_tokens, timed  # noqa: E402
 from refit_vs_reload import MODEL, make_model  # noqa: E402
+from scaffold import in_scratch, set_up_process, write_results  # noqa: E402
 
 MIB = 1 << 20
 BYTES_GOAL, TIME_GOAL = 0.52, 0.7
 
 
 def run(reps: int, bucket_size: int, layers: int, out: Path, check_every: bool = True) -> dict[str, Any]:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1")  # both engines' workers on core 1
-    torch.set_num_threads(1)
-    workdir = Path(tempfile.mkdtemp(prefix="ckpt_vllm_fp8_bench_"))
-    try:
-        results = _run_in(workdir, reps, bucket_size, layers, check_every)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    out.mkdir(parents=True, exist_ok=True)
+    set_up_process()  # both engines' workers on core 1
+    results = in_scratch(
+        "ckpt_vllm_fp8_bench_", lambda workdir: _run_in(workdir, reps, bucket_size, layers, check_every)
+    )
     # Another model size is another result: it does not overwrite the default one's.
     name = "fp8_refit" if layers == MODEL["num_hidden_layers"] else f"fp8_refit_{layers}_layers"
-    (out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / f"{name}.md").write_text(report_table(results))
+    write_results(out, name, results, report_table(results))
     return results
 
 

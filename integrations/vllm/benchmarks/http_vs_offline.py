@@ -31,12 +31,10 @@ share a core here).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +45,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from refit_vs_reload import MODEL, make_model  # noqa: E402 - the sibling benchmark's model
+from scaffold import in_scratch, set_up_process, write_results  # noqa: E402
 
 from ckpt_vllm.extension import CkptEngineWorkerExtension  # noqa: E402
 from ckpt_vllm.rollout import WORKER_EXTENSION  # noqa: E402
@@ -167,34 +166,31 @@ def offline_tokens(llm: Any) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def timed(call: Callable[[], Any], row: dict[str, Any], method: str) -> float:
+def timed(call: Callable[[], Any]) -> float:
     # Both engines idle first: both share a core here, and after each call vLLM's processes
     # spin for a while (a worker polls its RPC queue for 1 s after each read, shm_broadcast's
     # busy_loop_s; OpenMP threads spin after a step). Measured: the first call into one engine
     # right after the other generated took about 0.9 s longer.
-    # The CPU seconds of this process (the trainer's, all its threads) go into ``row``.
     time.sleep(IDLE_S)
-    start, cpu_start = time.perf_counter(), time.process_time()
+    start = time.perf_counter()
     call()
-    row[f"{method}_trainer_cpu_s"] = time.process_time() - cpu_start
     return time.perf_counter() - start
 
 
+def timed_on_cpu(call: Callable[[], Any], row: dict[str, Any], method: str) -> float:
+    """:func:`timed`, and the CPU seconds of this process (the trainer's, every thread) into
+    ``row`` (the idle wait before costs none)."""
+    cpu_start = time.process_time()
+    seconds = timed(call)
+    row[f"{method}_trainer_cpu_s"] = time.process_time() - cpu_start
+    return seconds
+
+
 def run(backends: list[str], reps: int, bucket_size: int, layers: int, out: Path) -> dict[str, Any]:
-    # vLLM's workers on core 1, the trainer's tensor work on one thread: on two cores, thread
-    # pools over both only slow each other down.
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1")
+    set_up_process()
     os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])  # HeldWeights
-    torch.set_num_threads(1)
-    workdir = Path(tempfile.mkdtemp(prefix="ckpt_vllm_http_bench_"))
-    try:
-        results = _run_in(workdir, backends, reps, bucket_size, layers)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "http_vs_offline.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "http_vs_offline.md").write_text(report_table(results))
+    results = in_scratch("ckpt_vllm_http_bench_", lambda workdir: _run_in(workdir, backends, reps, bucket_size, layers))
+    write_results(out, "http_vs_offline", results, report_table(results))
     return results
 
 
@@ -271,14 +267,14 @@ def run_backend(
 
     def memory_load(version: str, row: dict[str, Any]) -> float:
         in_worker: list[tuple[float, float]] = []
-        seconds = timed(
+        seconds = timed_on_cpu(
             lambda: in_worker.extend(llm.collective_rpc("load_held_weights", args=(version,))), row, "memory_load"
         )
         row.update(memory_load_worker_s=in_worker[0][0], memory_load_worker_cpu_s=in_worker[0][1])
         return seconds
 
     def offline_refit(version: str, row: dict[str, Any]) -> float:
-        seconds = timed(
+        seconds = timed_on_cpu(
             lambda: engines["offline"].send_weights(versions[version], weight_version=version), row, "offline_refit"
         )
         (report,) = llm.collective_rpc("ckpt_engine_report")  # the worker's side of it
@@ -288,7 +284,7 @@ def run_backend(
         return seconds
 
     def http_refit(version: str, row: dict[str, Any]) -> float:
-        seconds = timed(
+        seconds = timed_on_cpu(
             lambda: engines["http"].send_weights(versions[version], weight_version=version), row, "http_refit"
         )
         (report,) = server.post("collective_rpc", {"method": "ckpt_engine_report"})["results"]

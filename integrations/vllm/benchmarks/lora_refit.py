@@ -30,11 +30,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -47,6 +44,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from http_vs_offline import MAX_TOKENS, PROMPTS  # noqa: E402
 from refit_vs_reload import MODEL, make_model  # noqa: E402
+from scaffold import in_scratch, set_up_process, write_results  # noqa: E402
 
 MIB = 1 << 20
 GOAL = 3.0
@@ -58,17 +56,9 @@ TARGETS = {
 
 
 def run(reps: int, rank: int, bucket_size: int, out: Path) -> dict[str, Any]:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1")
-    torch.set_num_threads(1)
-    workdir = Path(tempfile.mkdtemp(prefix="ckpt_vllm_lora_bench_"))
-    try:
-        results = _run_in(workdir, reps, rank, bucket_size)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "lora_refit.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "lora_refit.md").write_text(report_table(results))
+    set_up_process()
+    results = in_scratch("ckpt_vllm_lora_bench_", lambda workdir: _run_in(workdir, reps, rank, bucket_size))
+    write_results(out, "lora_refit", results, report_table(results))
     return results
 
 
@@ -174,10 +164,11 @@ def _run_in(workdir: Path, reps: int, rank: int, bucket_size: int) -> dict[str, 
             adapter = versions[version]
             row: dict[str, Any] = {"version": version}
             reports: list[dict[str, Any]] = []
-            row["refit_s"] = both(
-                lambda adapter=adapter: send(adapter),  # type: ignore[misc]
-                lambda reports=reports: reports.extend(rollout.refit_adapter("refit", lora_id=1, config=config)),
-            )
+
+            def receive(reports: list[dict[str, Any]] = reports) -> None:
+                reports.extend(rollout.refit_adapter("refit", lora_id=1, config=config))
+
+            row["refit_s"] = both(lambda adapter=adapter: send(adapter), receive)  # type: ignore[misc]
             row["worker_s"] = reports[0]["seconds"]
             row["adapter_bytes"] = payload_bytes(trainer)
 

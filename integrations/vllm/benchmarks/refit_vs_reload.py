@@ -22,18 +22,16 @@ largest tensor + 64 MiB. Writes ``refit_vs_reload.json`` and ``.md`` into ``--ou
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from scaffold import in_scratch, set_up_process, write_results
 
 from ckpt_core.orchestration.worker import RefitWorker
 
@@ -138,15 +136,10 @@ def cached_reload(llm: Any, refit_index: int, workdir: Path) -> float:
 
 
 def run(backends: list[str], reps: int, memory_refits: int, bucket_size: int, layers: int, out: Path) -> dict[str, Any]:
-    # One core each for the trainer and vLLM's worker: on two cores, two thread pools over both
-    # only slow each other down (on real machines they do not share cores at all).
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1")
-    workdir = Path(tempfile.mkdtemp(prefix="ckpt_vllm_bench_"))
-    try:
-        return _run_in(workdir, backends, reps, memory_refits, bucket_size, layers, out)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)  # a model's worth of files per repetition
+    set_up_process()
+    return in_scratch(
+        "ckpt_vllm_bench_", lambda workdir: _run_in(workdir, backends, reps, memory_refits, bucket_size, layers, out)
+    )
 
 
 def _run_in(
@@ -187,9 +180,7 @@ def _run_in(
         )
         first_index += memory_refits + reps
     llm.llm_engine.engine_core.shutdown()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "refit_vs_reload.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "refit_vs_reload.md").write_text(report_table(results))
+    write_results(out, "refit_vs_reload", results, report_table(results))
     return results
 
 
