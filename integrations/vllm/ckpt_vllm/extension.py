@@ -109,9 +109,10 @@ class CkptEngineWorkerExtension:
         adapter = HeldAdapter(name, str(version), dict(config), tensors)
         store.hold(adapter)
         held = time.perf_counter()
+        seconds = {"receive": received - started, "hold": held - received, "install": 0.0}
         if lora_id is not None:
             store.install(name, adapter.version, lora_id)
-        seconds = {"receive": received - started, "hold": held - received, "install": time.perf_counter() - held}
+            seconds["install"] = time.perf_counter() - held
         return {"lora_id": lora_id, **adapter.describe(), "seconds": seconds}
 
     @_replying
