@@ -5,7 +5,8 @@ against merging it into the weights and refitting the whole model.
     python integrations/vllm/benchmarks/lora_refit.py [--reps 11] [--rank 16]
 
 A random Qwen2 of about 124 MB (bf16) is served by vLLM's CPU build at tensor-parallel size 1
-with LoRA enabled; this process is the trainer (a gloo_cpu engine of its own). The adapter
+with LoRA enabled; this process is the trainer (an engine of its own: ``--backend`` gloo_cpu,
+or cuda_ipc with ``device="cpu"``). The adapter
 targets every linear layer of every decoder layer (q, k, v, o, gate, up, down) at rank
 ``--rank``, fp32 as PEFT keeps it; two versions of it, A and B, alternate so every load changes
 it. Each repetition times, after 1.5 s with the engine idle:
@@ -55,10 +56,13 @@ TARGETS = {
 }
 
 
-def run(reps: int, rank: int, bucket_size: int, out: Path) -> dict[str, Any]:
+def run(reps: int, rank: int, bucket_size: int, out: Path, backend: str = "gloo_cpu") -> dict[str, Any]:
     set_up_process()
-    results = in_scratch("ckpt_vllm_lora_bench_", lambda workdir: _run_in(workdir, reps, rank, bucket_size))
-    write_results(out, "lora_refit", results, report_table(results))
+    results = in_scratch("ckpt_vllm_lora_bench_", lambda workdir: _run_in(workdir, reps, rank, bucket_size, backend))
+    # Another backend is another result: it does not overwrite gloo_cpu's.
+    write_results(
+        out, "lora_refit" if backend == "gloo_cpu" else f"lora_refit_{backend}", results, report_table(results)
+    )
     return results
 
 
@@ -113,7 +117,7 @@ def both(send: Callable[[], Any], receive: Callable[[], Any]) -> float:
     return seconds
 
 
-def _run_in(workdir: Path, reps: int, rank: int, bucket_size: int) -> dict[str, Any]:
+def _run_in(workdir: Path, reps: int, rank: int, bucket_size: int, backend: str) -> dict[str, Any]:
     from safetensors import safe_open
     from safetensors.torch import save_file
     from vllm import LLM
@@ -148,8 +152,9 @@ def _run_in(workdir: Path, reps: int, rank: int, bucket_size: int) -> dict[str, 
         max_loras=2,
         **VLLM_ENGINE_ARGS,
     )
-    rollout = VllmRollout(llm, backend="gloo_cpu", bucket_size_bytes=bucket_size)
-    trainer = create_checkpoint_engine("gloo_cpu", bucket_size_bytes=bucket_size, engine_kwargs={})
+    engine_kwargs = {"device": "cpu"} if backend == "cuda_ipc" else {}
+    rollout = VllmRollout(llm, backend=backend, bucket_size_bytes=bucket_size, engine_kwargs=engine_kwargs)
+    trainer = create_checkpoint_engine(backend, bucket_size_bytes=bucket_size, engine_kwargs=engine_kwargs)
     try:
         metadata = [trainer.prepare(), *rollout.prepare()]
         sizes: dict[str, Any] = {"train_world_size": 1, "rollout_world_size": 1, "metadata": metadata}
@@ -232,6 +237,7 @@ def _run_in(workdir: Path, reps: int, rank: int, bucket_size: int) -> dict[str, 
         "adapter_bytes": adapter_bytes,
         "merged_bytes": merged_bytes,
         "bucket_size": bucket_size,
+        "backend": backend,
         "reps": rows,
         "merged_reps": merged_rows,
         "call_reps": calls,
@@ -264,7 +270,7 @@ def tokens_with(llm: Any, request: Any) -> list[list[int]]:
 def report_table(r: dict[str, Any]) -> str:
     m, w = r["median"], r["median_worker_s"]
     return (
-        f"A LoRA adapter into vLLM (CPU build, TP 1, gloo_cpu): rank {r['rank']} on every linear layer of a "
+        f"A LoRA adapter into vLLM (CPU build, TP 1, {r['backend']}): rank {r['rank']} on every linear layer of a "
         f"{r['model_bytes'] / 1e6:.0f} MB bf16 Qwen2, {r['adapter_tensors']} tensors; medians of {len(r['reps'])} "
         f"(merged: {len(r['merged_reps'])}).\n\n"
         "| | bytes | time |\n| --- | --- | --- |\n"
@@ -290,10 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=11)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--backend", default="gloo_cpu", choices=["gloo_cpu", "cuda_ipc"])
     parser.add_argument("--bucket-size", type=parse_size, default=32 * MIB)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
-    results = run(args.reps, args.rank, args.bucket_size, args.out)
+    results = run(args.reps, args.rank, args.bucket_size, args.out, args.backend)
     print(report_table(results))
     return 0 if results["goal_met"] else 1
 
