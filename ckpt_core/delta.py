@@ -1,9 +1,9 @@
 """Lossless deltas between two versions of a tensor: the elements whose bits changed.
 
-The building block of delta refits (issue 34): a sender that knows what a destination last
-committed sends, for each tensor, either a :class:`Patch` (the flat positions of the changed
-elements and their new values) or the whole tensor, whichever is fewer bytes; the destination
-applies the patch to its copy and holds the new tensor, bit for bit.
+The building block of delta refits (:mod:`ckpt_core.delta_refit`): a sender that knows what a
+destination last committed sends, for each tensor, either a :class:`Patch` (the flat positions
+of the changed elements and their new values) or the whole tensor, whichever is fewer bytes;
+the destination applies the patch to its copy and holds the new tensor, bit for bit.
 
 Changes are found bitwise, never by a tolerance: both versions are viewed as integers of their
 element's width, so ``-0.0`` against ``0.0``, one NaN payload against another and a subnormal
@@ -13,21 +13,37 @@ an empty patch.
 
 A patch costs ``changed x (value bytes + position bytes)``, positions as ``int32`` (``int64``
 for tensors of 2**31 elements or more); :func:`diff` returns ``None`` when that is not fewer
-bytes than the whole tensor. The temporaries of a diff are bounded whatever the tensor's size
-(it works through ``_CHUNK_ELEMENTS`` at a time).
+bytes than the whole tensor.
+
+**Speed.** Host tensors are compared, patched and digested by compiled loops that read each
+byte once, over every usable core (:mod:`ckpt_core._internal.bitdiff`): a diff runs near the
+memory's read speed, a patch costs in proportion to its changed elements. Device tensors use
+torch's own kernels on their device, ``_CHUNK_ELEMENTS`` at a time (bounding the temporaries).
+
+**Wire form.** :func:`compare` with ``encoded=True`` lays a patch out as one ``uint8`` tensor
+(what a delta refit sends; :func:`decode`): the new version's :func:`digest` (8 bytes,
+little-endian), the positions, zeros up to a multiple of 8 bytes, the values.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import struct
+from typing import Any
 
+import numpy as np
 import torch
 
-from ckpt_core.errors import InvalidArgumentError
+from ckpt_core._internal import bitdiff
+from ckpt_core._internal.device_checksum import device_payload_checksum
+from ckpt_core.errors import InvalidArgumentError, WireFormatError
 
-# Elements compared at once: bounds the comparison's mask (16 MiB) whatever the tensor's size.
+# Device tensors: elements compared at once (bounds the comparison's mask, 16 MiB).
 _CHUNK_ELEMENTS = 16 << 20
 _SAME_WIDTH_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_DIGEST = struct.Struct("<Q")
+DIGEST_BYTES = _DIGEST.size
+"""The digest that opens a patch's wire form."""
 
 
 class DeltaError(InvalidArgumentError):
@@ -40,7 +56,7 @@ class DeltaError(InvalidArgumentError):
 class Patch:
     """The elements of a tensor that changed: ``positions`` (ascending flat indices, ``int32``
     or ``int64``) and their new ``values`` (1-D, the tensor's dtype), for a tensor of
-    ``numel`` elements."""
+    ``numel`` elements. Both may be views of one buffer (a patch's wire form)."""
 
     positions: torch.Tensor
     values: torch.Tensor
@@ -56,6 +72,22 @@ class Patch:
         return self.positions.numel() * self.positions.element_size() + self.values.numel() * self.values.element_size()
 
 
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """What :func:`compare` found: the ``patch`` (``None``: the whole tensor is no more
+    bytes), the ``changed`` elements among the ``compared`` ones (all of them with a patch;
+    without one, the comparison may stop early, once a patch cannot pay); with ``encoded=True`` and a patch, its
+    wire form ``encoded`` (the patch's tensors view it) and the new version's ``digest``; with
+    ``update=True`` and a patch, the patch that puts the old version back (``undo``)."""
+
+    patch: Patch | None
+    changed: int
+    compared: int
+    encoded: torch.Tensor | None = None
+    digest: int | None = None
+    undo: Patch | None = None
+
+
 def position_dtype(numel: int) -> torch.dtype:
     """The dtype of a patch's positions for a tensor of ``numel`` elements."""
     return torch.int32 if numel < 2**31 else torch.int64
@@ -66,42 +98,129 @@ def patch_bytes(changed: int, numel: int, element_size: int) -> int:
     return changed * (element_size + (4 if position_dtype(numel) == torch.int32 else 8))
 
 
+def encoded_bytes(changed: int, numel: int, element_size: int) -> int:
+    """The size of the wire form of a patch of ``changed`` elements (:func:`compare`)."""
+    width = torch.empty((), dtype=position_dtype(numel)).element_size()
+    return bitdiff.layout(changed, DIGEST_BYTES, width, element_size)[1]
+
+
 def diff(old: torch.Tensor, new: torch.Tensor, *, name: str) -> Patch | None:
     """The patch that turns ``old`` into ``new`` bit for bit, or ``None`` when sending ``new``
     whole is no more bytes. ``name`` names the tensor in a :class:`DeltaError` (the two differ
     in shape, dtype or device, or their elements are not whole bytes)."""
+    return compare(old, new, name=name).patch
+
+
+def compare(
+    old: torch.Tensor, new: torch.Tensor, *, name: str, encoded: bool = False, update: bool = False
+) -> Comparison:
+    """Compare two versions of a tensor (see :func:`diff`, which this generalises). With
+    ``encoded``, the patch is made in its wire form, with the new version's digest, and
+    only where that form (digest and padding included) is fewer bytes than ``new``. With
+    ``update`` (``old`` contiguous), ``old`` is patched into ``new`` in the same pass where a
+    patch is made (``Comparison.undo`` puts it back), and left as it was where none is."""
     bits_old, bits_new = _bits(old, name), _bits(new, name)
     if old.shape != new.shape or old.dtype != new.dtype or old.device != new.device:
         raise DeltaError(
             f"{name}: no patch relates {old.dtype} {list(old.shape)} on {old.device} to {new.dtype} "
             f"{list(new.shape)} on {new.device}: send it whole"
         )
+    if update and not old.is_contiguous():
+        raise DeltaError(f"{name}: a version updated in place must be contiguous")
+    max_changed = _most_changed(new.numel(), new.element_size(), encoded=encoded)
+    if new.device.type == "cpu":
+        return _compare_host(bits_old, bits_new, new.dtype, max_changed, encoded, update)
+    return _compare_device(bits_old, bits_new, new.dtype, max_changed, encoded, update)
+
+
+def _most_changed(numel: int, width: int, *, encoded: bool) -> int:
+    """The most changed elements a patch (or its wire form) may hold and still be fewer bytes
+    than the whole tensor; -1 where none may, not even an empty one. (A tensor of no elements
+    has an empty patch, but no wire form smaller than it.)"""
+    budget = numel * width
+    per_element = patch_bytes(1, numel, width)
+    if not encoded:
+        return (budget - 1) // per_element if numel else 0
+    count = (budget - DIGEST_BYTES - 1) // per_element  # an upper bound: the padding is not counted
+    while count >= 0 and encoded_bytes(count, numel, width) >= budget:
+        count -= 1
+    return max(count, -1)
+
+
+def _compare_host(
+    old: torch.Tensor, new: torch.Tensor, dtype: torch.dtype, max_changed: int, encoded: bool, update: bool
+) -> Comparison:
     numel = new.numel()
-    budget = numel * new.element_size()  # the whole tensor's bytes: a patch must cost less
-    per_element = patch_bytes(1, numel, new.element_size())
+    positions_dtype = position_dtype(numel)
+    if max_changed < 0:
+        return Comparison(patch=None, changed=0, compared=0)
+    found = bitdiff.find(
+        old.numpy(),
+        new.numpy(),
+        max_changed=max_changed,
+        position_dtype=_numpy_dtype(positions_dtype),
+        prefix=DIGEST_BYTES if encoded else 0,
+        with_digest=encoded,
+        update=update,
+    )
+    if found.over:
+        return Comparison(patch=None, changed=found.count, compared=found.compared)
+    assert found.blob is not None
+    blob = torch.from_numpy(found.blob)
+    if encoded:
+        assert found.digest is not None
+        blob[:DIGEST_BYTES] = torch.frombuffer(bytearray(_DIGEST.pack(found.digest)), dtype=torch.uint8)
+    patch = _views(blob, found.count, numel, dtype, prefix=DIGEST_BYTES if encoded else 0)
+    undo = None
+    if found.saved is not None:
+        undo = Patch(patch.positions, _typed(torch.from_numpy(found.saved), dtype), numel)
+    return Comparison(
+        patch=patch,
+        changed=found.count,
+        compared=numel,
+        encoded=blob if encoded else None,
+        digest=found.digest,
+        undo=undo,
+    )
+
+
+def _compare_device(
+    old: torch.Tensor, new: torch.Tensor, dtype: torch.dtype, max_changed: int, encoded: bool, update: bool
+) -> Comparison:
+    """The comparison with torch's kernels on the tensors' device, ``_CHUNK_ELEMENTS`` at a time."""
+    numel = new.numel()
+    if max_changed < 0:
+        return Comparison(patch=None, changed=0, compared=0)
     found: list[torch.Tensor] = []
     changed = 0
     for start in range(0, numel, _CHUNK_ELEMENTS):
         length = min(_CHUNK_ELEMENTS, numel - start)
-        positions = _changed(bits_old.narrow(0, start, length), bits_new.narrow(0, start, length))
+        positions = _changed(old.narrow(0, start, length), new.narrow(0, start, length))
         changed += positions.numel()
-        if changed * per_element >= budget:
-            return None
+        if changed > max_changed:
+            return Comparison(patch=None, changed=changed, compared=start + length)
         if positions.numel():
             found.append(positions.add_(start))
-    if changed * per_element >= budget and numel:
-        return None
-    dtype = position_dtype(numel)
     positions = torch.cat(found) if found else torch.empty(0, dtype=torch.int64, device=new.device)
-    values = bits_new.index_select(0, positions)
-    return Patch(positions=positions.to(dtype), values=values.view(new.dtype), numel=numel)
+    values = new.index_select(0, positions)
+    patch = Patch(positions=positions.to(position_dtype(numel)), values=_typed(values, dtype), numel=numel)
+    undo = None
+    if update:
+        undo = Patch(patch.positions, _typed(old.index_select(0, positions), dtype), numel)
+        old.index_copy_(0, positions, values)
+    if not encoded:
+        return Comparison(patch=patch, changed=changed, compared=numel, undo=undo)
+    digest_value = digest(new)
+    blob = _encode(digest_value, patch)
+    views = _views(blob, changed, numel, dtype, prefix=DIGEST_BYTES)
+    return Comparison(patch=views, changed=changed, compared=numel, encoded=blob, digest=digest_value, undo=undo)
 
 
 def _changed(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """The ascending indices (``int64``) where two flat integer tensors differ. Narrow
     elements are compared eight bytes at a time first, then only the words that differ
     lane by lane: the comparison's mask, and the scan for its set entries, shrink by the
-    elements per word (measured: 2.2x faster for bf16 at 1% changed, one thread)."""
+    elements per word."""
     lanes = 8 // old.element_size()
     words = old.numel() // lanes
     if lanes == 1 or words == 0 or not (_word_view(old, words) and _word_view(new, words)):
@@ -127,10 +246,26 @@ def _word_view(flat: torch.Tensor, words: int) -> bool:
     return (flat.storage_offset() * flat.element_size()) % 8 == 0 and words > 0
 
 
-def apply(tensor: torch.Tensor, patch: Patch, *, name: str) -> None:
-    """Write ``patch``'s values into ``tensor`` (the old version, contiguous) in place.
+def apply(tensor: torch.Tensor, patch: Patch, *, name: str, keep: bool = False) -> Patch | None:
+    """Write ``patch``'s values into ``tensor`` (the old version, contiguous) in place; with
+    ``keep``, return the patch that undoes it (the same positions, with the values they held).
     A :class:`DeltaError` names ``name`` if the patch was made for another size or dtype, or
-    holds a position out of range."""
+    holds a position out of range or out of order; ``tensor`` is then as it was (with
+    ``keep``; without it, positions are trusted as made by :func:`compare`)."""
+    return _apply(tensor, patch, name, keep=keep, with_digest=False)[0]
+
+
+def apply_and_digest(tensor: torch.Tensor, patch: Patch, *, name: str) -> tuple[Patch, int]:
+    """:func:`apply` with ``keep``, and the :func:`digest` of ``tensor`` once patched, in one
+    pass on the host (each part of the tensor hashed as soon as it is patched)."""
+    undo, value = _apply(tensor, patch, name, keep=True, with_digest=True)
+    assert undo is not None and value is not None
+    return undo, value
+
+
+def _apply(
+    tensor: torch.Tensor, patch: Patch, name: str, *, keep: bool, with_digest: bool
+) -> tuple[Patch | None, int | None]:
     if patch.numel != tensor.numel() or patch.values.dtype != tensor.dtype:
         raise DeltaError(
             f"{name}: a patch for {patch.numel} elements of {patch.values.dtype} cannot apply to "
@@ -138,22 +273,101 @@ def apply(tensor: torch.Tensor, patch: Patch, *, name: str) -> None:
         )
     if not tensor.is_contiguous():
         raise DeltaError(f"{name}: a patch applies to a contiguous tensor, in place")
-    if patch.changed == 0:
-        return
+    held, values = _bits(tensor, name), _bits(patch.values.to(tensor.device), name)
+    if tensor.device.type == "cpu":
+        try:
+            saved, value = bitdiff.patch(
+                held.numpy(), patch.positions.numpy(), values.numpy(), keep=keep, with_digest=with_digest
+            )
+        except ValueError as exc:
+            raise DeltaError(
+                f"{name}: the patch holds positions outside its {tensor.numel()} elements ({exc})"
+            ) from None
+        undo = (
+            None
+            if saved is None
+            else Patch(patch.positions, _typed(torch.from_numpy(saved), tensor.dtype), patch.numel)
+        )
+        return undo, value
     positions = patch.positions.long()
-    if int(positions.min()) < 0 or int(positions.max()) >= tensor.numel():
-        raise DeltaError(f"{name}: the patch holds positions outside its {tensor.numel()} elements")
-    # Written as integers of the same width: bit for bit, and for dtypes (FP8) with no copy kernels.
-    _bits(tensor, name).index_copy_(0, positions, _bits(patch.values.to(tensor.device), name))
+    if patch.changed and (
+        int(positions.min()) < 0
+        or int(positions.max()) >= tensor.numel()
+        or (patch.changed > 1 and not bool((positions[1:] > positions[:-1]).all()))
+    ):
+        raise DeltaError(f"{name}: the patch holds positions outside its {tensor.numel()} elements, or out of order")
+    undo = None
+    if keep:
+        undo = Patch(patch.positions, _typed(held.index_select(0, positions), tensor.dtype), patch.numel)
+    held.index_copy_(0, positions, values)  # as integers of the same width: bit for bit, FP8 included
+    return undo, digest(tensor) if with_digest else None
 
 
-def reverse(tensor: torch.Tensor, patch: Patch, *, name: str) -> Patch:
-    """The patch that undoes applying ``patch`` to ``tensor``: the same positions with
-    ``tensor``'s values there now (call it before :func:`apply`)."""
-    if patch.numel != tensor.numel():
-        raise DeltaError(f"{name}: a patch for {patch.numel} elements cannot apply to {tensor.numel()} elements")
-    held = _bits(tensor, name).index_select(0, patch.positions.long())
-    return Patch(positions=patch.positions, values=held.view(tensor.dtype), numel=patch.numel)
+def digest(tensor: torch.Tensor) -> int:
+    """A 64-bit digest of ``tensor``'s bytes, what a patched weight is checked against: the
+    leaf digest (xxh3, :mod:`ckpt_core._internal.bitdiff`) on the host, ckpt-engine's device
+    digest elsewhere."""
+    data = tensor.contiguous().reshape(-1).view(torch.uint8)
+    return bitdiff.digest(data.numpy()) if data.device.type == "cpu" else device_payload_checksum(data)
+
+
+def decode(encoded: torch.Tensor, like: torch.Tensor, *, name: str) -> tuple[Patch, int]:
+    """The patch (and the sender's digest of the new version) in a wire form made by
+    :func:`compare`, for a tensor like ``like``; its tensors view ``encoded`` where its memory
+    allows (host memory, aligned), else copies. ``WireFormatError`` for a size that is no
+    patch's."""
+    numel, width = like.numel(), like.element_size()
+    positions_dtype = position_dtype(numel)
+    position_width = torch.empty((), dtype=positions_dtype).element_size()
+    estimate = (encoded.numel() - DIGEST_BYTES) // (position_width + width)  # the padding may add one
+    count = next(
+        (c for c in (estimate, estimate - 1) if c >= 0 and encoded_bytes(c, numel, width) == encoded.numel()), -1
+    )
+    if encoded.dtype != torch.uint8 or encoded.dim() != 1 or count < 0:
+        raise WireFormatError(
+            f"{name}: a patch of {encoded.numel()} bytes does not hold whole elements of {like.dtype} with their "
+            "positions"
+        )
+    (value,) = _DIGEST.unpack(encoded[:DIGEST_BYTES].cpu().numpy().tobytes())
+    data = encoded.to(like.device)
+    if data.data_ptr() % 8:
+        data = data.clone()  # a fresh allocation is aligned for any element
+    return _views(data, count, numel, like.dtype, prefix=DIGEST_BYTES), value
+
+
+def _encode(digest_value: int, patch: Patch) -> torch.Tensor:
+    """A patch's wire form, assembled (the device path; the host path writes it in place)."""
+    values = patch.values.contiguous().reshape(-1)
+    values = values.view(torch.uint8) if values.dtype == torch.bool else values
+    device = values.device
+    values_at, size = bitdiff.layout(patch.changed, DIGEST_BYTES, patch.positions.element_size(), values.element_size())
+    header = torch.frombuffer(bytearray(_DIGEST.pack(digest_value)), dtype=torch.uint8).to(device)
+    positions = patch.positions.contiguous().view(torch.uint8)
+    padding = torch.zeros(values_at - DIGEST_BYTES - positions.numel(), dtype=torch.uint8, device=device)
+    blob = torch.cat([header, positions, padding, values.view(torch.uint8)])
+    assert blob.numel() == size
+    return blob
+
+
+def _views(blob: torch.Tensor, count: int, numel: int, dtype: torch.dtype, *, prefix: int) -> Patch:
+    """The patch a wire form (or, ``prefix`` 0, a bare positions-then-values blob) holds."""
+    positions_dtype = position_dtype(numel)
+    width = torch.empty((), dtype=dtype).element_size()
+    position_width = torch.empty((), dtype=positions_dtype).element_size()
+    if count == 0:  # an empty slice of a byte tensor cannot be viewed as wider elements
+        empty = torch.empty(0, dtype=_SAME_WIDTH_INTEGER[width], device=blob.device)
+        return Patch(torch.empty(0, dtype=positions_dtype, device=blob.device), _typed(empty, dtype), numel)
+    values_at, _ = bitdiff.layout(count, prefix, position_width, width)
+    positions = blob[prefix : prefix + count * position_width].view(positions_dtype)
+    values = _typed(blob[values_at : values_at + count * width].view(_SAME_WIDTH_INTEGER[width]), dtype)
+    return Patch(positions=positions, values=values, numel=numel)
+
+
+def can_pay(tensor: torch.Tensor) -> bool:
+    """Whether a patch of ``tensor`` in its wire form (:func:`compare` with ``encoded``) can
+    be fewer bytes than the tensor: its elements compare bit for bit and an empty patch, its
+    digest included, is smaller than it. A tensor that cannot is only ever sent whole."""
+    return patchable(tensor) and _most_changed(tensor.numel(), tensor.element_size(), encoded=True) >= 0
 
 
 def patchable(tensor: torch.Tensor) -> bool:
@@ -173,5 +387,14 @@ def _bits(tensor: torch.Tensor, name: str) -> torch.Tensor:
     integer = _SAME_WIDTH_INTEGER.get(tensor.element_size())
     if integer is None or not patchable(tensor):
         raise DeltaError(f"{name}: {tensor.dtype} elements cannot be compared bit for bit")
-    flat = tensor.reshape(-1)
+    flat = tensor.detach().reshape(-1)
     return flat.view(torch.uint8) if tensor.dtype == torch.bool else flat.view(integer)
+
+
+def _typed(integers: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Same-width integers seen as ``dtype`` (``bool`` from bytes)."""
+    return integers.view(torch.bool) if dtype == torch.bool else integers.view(dtype)
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype[Any]:
+    return np.dtype(np.int32) if dtype == torch.int32 else np.dtype(np.int64)

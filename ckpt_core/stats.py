@@ -50,17 +50,38 @@ class RefitStats:
     """Delta refits: the elements of the weights that moved as patches."""
     changed_elements: int = 0
     """Delta refits: of ``patched_elements``, those whose bits changed (what the patches carry)."""
+    whole_tensors: int = 0
+    """Delta refits: the weights that moved whole and are kept as the next baseline (new to the
+    stream, changed in shape or dtype, elements not comparable, or tracked again after a rest)."""
+    untracked_tensors: int = 0
+    """Delta refits: the weights that moved whole and neither side keeps (past
+    ``delta_max_baseline_bytes``, or sent whole by the choice): ``delta_tensors`` is
+    ``patched_tensors + whole_tensors + untracked_tensors``."""
+    chosen_whole_tensors: int = 0
+    """Delta refits, sender: of ``untracked_tensors``, those the choice sent whole: their
+    patch was found no smaller or predicted slower than the whole weight (at the rates below),
+    or they rest since it was (ckpt_core.delta_refit)."""
+    delta_seconds: float = 0.0
+    """Delta refits: the sender's time comparing weights with its copies (patching them and
+    hashing the new weights in the same pass); the receiver's, patching and checking."""
+    delta_link_gbps: float = 0.0
+    """Delta refits, sender: the link throughput its choices were made with, as measured over
+    its earlier refits (GB/s; 0.0: none yet). Combined over streams: the highest."""
+    delta_compare_gbps: float = 0.0
+    """Delta refits, sender: the comparison throughput its choices were made with (weight
+    bytes per second compared, GB/s; 0.0: none yet). Combined over streams: the highest."""
 
     @classmethod
     def combined(cls, parts: Iterable[RefitStats]) -> RefitStats:
         """One worker's account of a refit sent as several streams at once: counts and bytes
-        summed, ``seconds`` the longest stream's, the other times summed over the streams."""
+        summed, ``seconds`` and rates the longest stream's and the highest, the other times
+        summed over the streams."""
         total = cls()
         for part in parts:
             for field in dataclasses.fields(cls):
                 value = getattr(part, field.name)
-                if field.name == "seconds":
-                    total.seconds = max(total.seconds, value)
+                if field.name == "seconds" or field.name.endswith("_gbps"):
+                    setattr(total, field.name, max(getattr(total, field.name), value))
                 else:
                     setattr(total, field.name, getattr(total, field.name) + value)
         return total

@@ -3,11 +3,14 @@ for bit, over every kind of element, and is made only where it is fewer bytes.""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
 import ckpt_core.delta as delta
-from ckpt_core.delta import DeltaError, Patch, apply, diff, patch_bytes, reverse
+from ckpt_core._internal import bitdiff
+from ckpt_core.delta import DeltaError, Patch, apply, apply_and_digest, compare, decode, diff, digest, patch_bytes
 
 DTYPES = [
     torch.bfloat16,
@@ -98,11 +101,30 @@ def test_changes_are_bits_not_values() -> None:
     assert torch.equal(bits(target), bits(new))
 
 
-def test_the_break_even_is_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def tiny_parts(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Host work cut into leaves of 64 bytes, each a part of its own where cores allow, and
+    device work into chunks of 7 elements: small tensors then take the paths large ones do
+    (several leaves, parts on several threads, a scratch grown mid-leaf)."""
+    monkeypatch.setattr(bitdiff, "LEAF_BYTES", 64)
+    monkeypatch.setattr(bitdiff, "PART_MIN_BYTES", 64)
+    monkeypatch.setattr(delta, "_CHUNK_ELEMENTS", 7)
+    yield
+
+
+def compare_on_device_path(old: torch.Tensor, new: torch.Tensor, *, encoded: bool) -> delta.Comparison:
+    """:func:`compare` as a device tensor takes it (torch's kernels), run on host tensors."""
+    most = delta._most_changed(new.numel(), new.element_size(), encoded=encoded)
+    return delta._compare_device(delta._bits(old, "w"), delta._bits(new, "w"), new.dtype, most, encoded, False)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "tiny parts"])
+def test_the_break_even_is_bytes(chunked: bool, request: pytest.FixtureRequest) -> None:
     """bf16 with int32 positions: a patch of k elements costs 6k bytes against 2n whole, so
     one is made below n / 3 changed, not at it; the same whatever the chunking."""
-    for chunk in (1 << 20, 7):
-        monkeypatch.setattr(delta, "_CHUNK_ELEMENTS", chunk)
+    if chunked:
+        request.getfixturevalue("tiny_parts")
+    for _ in range(1):
         old = torch.zeros(300, dtype=torch.bfloat16)
         below, at = old.clone(), old.clone()
         below[:99] = 1
@@ -112,15 +134,30 @@ def test_the_break_even_is_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
         assert diff(old, at, name="w") is None
 
 
-def test_positions_are_found_across_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("fraction", [0.05, 0.45])
+def test_positions_are_found_across_leaves_parts_and_on_the_device_path(
+    dtype: torch.dtype, fraction: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One tensor cut into many leaves and parts (run on several threads, their scratches
+    grown past their first size) gives the patch, wire form and digest it gives whole, and
+    torch's kernels (the device path) give the same patch and wire form."""
     generator = torch.Generator().manual_seed(1)
-    old = random_tensor((1000,), torch.float32, generator)
-    new, _ = changed_copy(old, 0.05, generator)
-    whole = diff(old, new, name="w")
-    monkeypatch.setattr(delta, "_CHUNK_ELEMENTS", 64)
-    chunked = diff(old, new, name="w")
-    assert whole is not None and chunked is not None
-    assert torch.equal(whole.positions, chunked.positions) and torch.equal(bits(whole.values), bits(chunked.values))
+    old = random_tensor((300_000,), dtype, generator)
+    new, count = changed_copy(old, fraction * min(1.0, 4 / old.element_size()) / 4, generator)
+    whole = compare(old, new, name="w", encoded=True)
+    device = compare_on_device_path(old, new, encoded=True)
+    whole_digest = digest(new)
+    monkeypatch.setattr(bitdiff, "LEAF_BYTES", 4096)
+    monkeypatch.setattr(bitdiff, "PART_MIN_BYTES", 4096)
+    parted = compare(old, new, name="w", encoded=True)
+    for found in (whole, device, parted):
+        assert found.patch is not None and found.encoded is not None and found.changed == count
+        assert torch.equal(found.encoded[8:], parted.encoded[8:] if parted.encoded is not None else found.encoded)
+    assert whole.digest == device.digest == whole_digest  # the digest of a whole tensor is its leaves' digest
+    assert parted.digest == digest(new)  # (with the smaller leaves)
+    assert whole.patch is not None and parted.patch is not None
+    assert torch.equal(whole.patch.positions, parted.patch.positions)
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32, torch.float64], ids=str)
@@ -184,15 +221,91 @@ def test_a_patch_that_does_not_fit_is_refused_and_changes_nothing() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.bool, torch.int64], ids=str)
-def test_a_reversed_patch_puts_back_what_the_patch_overwrote(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "tiny parts"])
+def test_a_kept_patch_puts_back_what_the_patch_overwrote(
+    dtype: torch.dtype, chunked: bool, request: pytest.FixtureRequest
+) -> None:
+    if chunked:
+        request.getfixturevalue("tiny_parts")
     generator = torch.Generator().manual_seed(11)
-    old = random_tensor((300,), dtype, generator)
+    old = random_tensor((3000,), dtype, generator)
     new, _ = changed_copy(old, 0.05, generator)
     patch = diff(old, new, name="w")
     assert patch is not None and patch.changed > 0
     held = old.clone()
-    undo = reverse(held, patch, name="w")
-    apply(held, patch, name="w")
-    assert torch.equal(bits(held), bits(new))
+    undo = apply(held, patch, name="w", keep=True)
+    assert undo is not None and torch.equal(bits(held), bits(new))
     apply(held, undo, name="w")
     assert torch.equal(bits(held), bits(old))
+    undo, value = apply_and_digest(held, patch, name="w")
+    assert torch.equal(bits(held), bits(new)) and value == digest(new)
+    apply(held, undo, name="w")
+    assert torch.equal(bits(held), bits(old))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8], ids=str)
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "tiny parts"])
+def test_a_comparison_that_updates_patches_the_old_version_only_where_a_patch_is_made(
+    dtype: torch.dtype, chunked: bool, request: pytest.FixtureRequest
+) -> None:
+    """``update=True`` turns the old version into the new one in the same pass, and its undo
+    puts it back; where no patch is made (too many changed) the old version is untouched,
+    even though the comparison had patched part of it before it knew."""
+    if chunked:
+        request.getfixturevalue("tiny_parts")
+    generator = torch.Generator().manual_seed(12)
+    old = random_tensor((5000,), dtype, generator)
+    for fraction, patched in ((0.02, True), (0.9, False)):
+        new, count = changed_copy(old, fraction, generator)
+        held = old.clone()
+        found = compare(held, new, name="w", encoded=True, update=True)
+        assert (found.patch is not None) == patched
+        if not patched:
+            assert found.undo is None and torch.equal(bits(held), bits(old)) and found.changed > 0
+            continue
+        assert found.changed == count and found.undo is not None and torch.equal(bits(held), bits(new))
+        apply(held, found.undo, name="w")
+        assert torch.equal(bits(held), bits(old))
+
+
+def test_denormals_nan_payloads_and_signed_zeros_arrive_bit_for_bit_through_the_wire_form() -> None:
+    old = torch.zeros(1000, dtype=torch.float32)
+    old[::7] = 1e-40  # subnormal
+    old[3] = float("nan")
+    new = old.clone()
+    new[7] = 2e-40  # another subnormal
+    new.view(torch.int32)[3] ^= 1 << 3  # another NaN payload
+    new[10] = -0.0
+    new.view(torch.int32)[14] ^= 1  # a subnormal's lowest bit
+    found = compare(old, new, name="w", encoded=True)
+    assert found.patch is not None and found.encoded is not None
+    assert found.patch.positions.tolist() == [3, 7, 10, 14]
+    patch, sent_digest = decode(found.encoded, old, name="w")
+    held = old.clone()
+    _, value = apply_and_digest(held, patch, name="w")
+    assert value == sent_digest and torch.equal(bits(held), bits(new))
+
+
+def test_unaligned_versions_whose_words_do_not_line_up_are_compared_element_by_element() -> None:
+    """Two versions at different offsets from an eight-byte boundary cannot be compared a word
+    at a time: each element is, and the patch is the same."""
+    generator = torch.Generator().manual_seed(13)
+    base = random_tensor((4099,), torch.bfloat16, generator)
+    changed, _ = changed_copy(base, 0.03, generator)
+    shifted = torch.empty(4100, dtype=torch.bfloat16)
+    shifted[1:] = changed
+    old, new = base[2:], shifted[3:]  # 4 and 6 bytes past their storages' (aligned) starts
+    patch = diff(old, new, name="w")
+    assert patch is not None
+    expected = (bits(old).view(-1, 2) != bits(new).view(-1, 2)).any(1).nonzero().squeeze(1)
+    assert patch.positions.tolist() == expected.tolist()
+
+
+def test_positions_out_of_order_are_refused_and_change_nothing() -> None:
+    held = torch.arange(100, dtype=torch.float32)
+    kept = held.clone()
+    for positions in ([5, 3], [5, 5], [-1, 2], [4, 100]):
+        patch = Patch(torch.tensor(positions, dtype=torch.int32), torch.full((2,), 7.0), numel=100)
+        with pytest.raises(DeltaError, match="w: the patch holds positions"):
+            apply_and_digest(held, patch, name="w")
+        assert torch.equal(held, kept), positions

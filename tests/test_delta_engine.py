@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ckpt_core
-from ckpt_core.delta import patchable
+from ckpt_core.delta import can_pay
 from ckpt_core.errors import EngineOptionError
 from ckpt_core.hooks import plugin_manager
 from ckpt_core.layout import WeightLayout, slices, whole
@@ -73,15 +73,22 @@ def test_twenty_refits_arrive_bit_for_bit_and_small_changes_move_few_bytes(
     """Refit k changes 0, 0.01%, 1%, 10% and 100% of every element in turn, over every dtype."""
     policy, rollout = pair
     whole_bytes = refit_ok(policy, rollout, version(0))
-    unpatchable = sum(t.nbytes for _, t in version(0) if not patchable(t))  # complex128: always whole
+    unpatchable = sum(t.nbytes for _, t in version(0) if not can_pay(t))  # complex128, 0-d: always whole
     assert unpatchable < 0.2 * whole_bytes
+    previous = None
     for k in range(1, 21):
         moved = refit_ok(policy, rollout, version(k))
         fraction = [0.0, 0.0001, 0.01, 0.1, 1.0][(k - 1) % 5]
-        if fraction <= 0.01:
+        stats = policy.last_stats
+        assert stats is not None
+        if previous == 1.0:  # sent whole and untracked last refit: whole and tracked again
+            assert stats.patched_tensors == 0 and moved >= whole_bytes, (k, stats)
+        elif fraction <= 0.01:
             assert moved < unpatchable + 0.1 * (whole_bytes - unpatchable), (k, moved, whole_bytes)
         if fraction == 1.0:
             assert moved >= whole_bytes, (k, moved)  # no patch is smaller: whole again
+            assert stats.chosen_whole_tensors == stats.delta_tensors, (k, stats)
+        previous = fraction
 
 
 class FinishedStats:
@@ -103,7 +110,7 @@ def test_statistics_and_hooks_report_the_patches(pair: tuple[InProcessEngine, In
     for k in range(3):
         refit_ok(policy, rollout, version(k))
     weights = version(3)  # 1% of each weight's elements changed since version 2
-    changed = sum(round(t.numel() * 0.01) for _, t in weights if patchable(t))
+    changed = sum(round(t.numel() * 0.01) for _, t in weights if can_pay(t))
     observer = FinishedStats()
     plugin_manager().register(observer)
     try:
@@ -115,11 +122,11 @@ def test_statistics_and_hooks_report_the_patches(pair: tuple[InProcessEngine, In
         assert stats["delta_tensors"] == len(weights) and stats["tensors"] == len(weights) + 1, (role, stats)
         assert stats["changed_elements"] == changed, (role, stats)
         # Where a patch (its 8-byte digest included) is fewer bytes than the weight.
-        assert stats["patched_tensors"] == sum(1 for _, t in weights if patchable(t) and t.nbytes > 8), (role, stats)
+        assert stats["patched_tensors"] == sum(1 for _, t in weights if can_pay(t)), (role, stats)
         assert stats["fraction_patched"] == stats["patched_tensors"] / len(weights)
         assert stats["patched_elements"] >= 100 * changed
     assert policy.last_stats is not None and policy.last_stats.to_dict() == observer.seen["policy"]
-    held = sum(t.nbytes for _, t in weights)
+    held = sum(t.nbytes for _, t in weights if can_pay(t))  # the rest travel whole and untracked
     assert policy.delta_baseline_bytes == rollout.delta_baseline_bytes == held
     assert InProcessEngine(bucket_size=BUCKET).delta_baseline_bytes == 0
 
@@ -236,10 +243,10 @@ def test_a_bounded_baseline_bounds_both_sides_and_still_patches_what_fits() -> N
     bound = sum(t.nbytes for _, t in weights) // 2
     fits, kept_bytes = set(), 0
     for name, tensor in weights:
-        if kept_bytes + tensor.nbytes <= bound:
+        if can_pay(tensor) and kept_bytes + tensor.nbytes <= bound:
             fits.add(name)
             kept_bytes += tensor.nbytes
-    whole_part = sum(t.nbytes for name, t in weights if name not in fits or not patchable(t))
+    whole_part = sum(t.nbytes for name, t in weights if name not in fits)
     policy = InProcessEngine(bucket_size=BUCKET, delta=True, delta_max_baseline_bytes=bound)
     rollout = InProcessEngine(bucket_size=BUCKET, delta=True)
     connect(policy, rollout)
@@ -247,7 +254,8 @@ def test_a_bounded_baseline_bounds_both_sides_and_still_patches_what_fits() -> N
         whole_bytes = refit_ok(policy, rollout, weights)
         for k in range(1, 6):
             moved = refit_ok(policy, rollout, version(k))
-            assert policy.delta_baseline_bytes == rollout.delta_baseline_bytes == kept_bytes <= bound
+            held = 0 if k == 5 else kept_bytes  # k = 5 changed every element: untracked for a refit
+            assert policy.delta_baseline_bytes == rollout.delta_baseline_bytes == held and kept_bytes <= bound
             assert moved >= whole_part, (k, moved, whole_part)  # past the bound: whole every time
             if k in (1, 2, 3):  # 0, 0.01%, 1% changed: what is kept travels as patches
                 assert moved < whole_part + 0.1 * (whole_bytes - whole_part), (k, moved, whole_part, whole_bytes)

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from ckpt_core.delta import can_pay
 from ckpt_core.delta_refit import (
     MANIFEST_NAME,
     PATCH_SUFFIX,
@@ -89,30 +90,44 @@ def assert_same(received: dict[str, torch.Tensor], sent: dict[str, torch.Tensor]
         assert torch.equal(bits(received[name]), bits(tensor)), f"{name} differs"
 
 
-def test_twenty_refits_in_a_row_arrive_bit_for_bit_and_small_changes_travel_as_patches() -> None:
+def test_refits_in_a_row_arrive_bit_for_bit_and_small_changes_travel_as_patches() -> None:
+    """Each weight a patch can pay for is patched where fewer bytes, else sent whole and
+    untracked, then tracked again (whole) the refit after; weights no patch can pay for (0-d,
+    empty) always travel whole and untracked. Both sides count every choice alike."""
     generator = torch.Generator().manual_seed(0)
     sender, receiver = DeltaSender(destination="rollout 0"), DeltaReceiver(source="policy 0")
     weights = model(generator)
+    trackable = [name for name, tensor in weights.items() if can_pay(tensor)]
+    assert len(trackable) == 6 and "scalar" not in trackable and "empty" not in trackable
     stats = RefitStats()
     assert_same(refit(sender, receiver, weights, stats), weights)
     assert stats.patched_tensors == 0 and stats.delta_tensors == len(weights)  # nothing to patch against yet
-    for k in range(20):
+    assert (stats.whole_tensors, stats.chosen_whole_tensors) == (6, 2)
+    previous = None
+    for k in range(21):
         fraction = FRACTIONS[k % len(FRACTIONS)]
         weights = step(weights, fraction, generator)
         stats, got = RefitStats(), RefitStats()
         assert_same(refit(sender, receiver, weights, stats, got), weights)
-        delta_fields = ("delta_tensors", "patched_tensors", "patched_elements", "changed_elements")
+        delta_fields = ("delta_tensors", "patched_tensors", "patched_elements", "changed_elements", "whole_tensors")
         assert [getattr(got, f) for f in delta_fields] == [getattr(stats, f) for f in delta_fields]
+        assert got.untracked_tensors == stats.untracked_tensors
         assert stats.tensors == stats.delta_tensors + 1  # and the manifest
+        assert stats.delta_tensors == stats.patched_tensors + stats.whole_tensors + stats.untracked_tensors
         whole_bytes = sum(t.numel() * t.element_size() for t in weights.values())
         changed = sum(round(t.numel() * fraction) for t in weights.values() if t.numel() > 1)
-        if fraction <= 0.01:
-            assert stats.patched_tensors >= 6 and stats.payload_bytes < 0.1 * whole_bytes, stats
+        if previous == 1.0:  # sent untracked last refit: whole and tracked again
+            assert (stats.patched_tensors, stats.whole_tensors, stats.chosen_whole_tensors) == (0, 6, 2), stats
+        elif fraction <= 0.01:
+            assert stats.patched_tensors == 6 and stats.payload_bytes < 0.1 * whole_bytes, stats
             assert stats.changed_elements == changed, (stats, changed)
-        if fraction == 1.0:
+        if fraction == 1.0:  # compared, no patch is fewer bytes: whole and untracked
             assert stats.patched_tensors == 0 and stats.payload_bytes >= whole_bytes, stats
+            assert stats.chosen_whole_tensors == stats.untracked_tensors == len(weights), stats
+        previous = fraction
     assert sender.baseline.version == receiver.baseline.version
-    assert sender.baseline.nbytes == receiver.baseline.nbytes == sum(t.nbytes for t in weights.values())
+    assert sorted(sender.baseline.tensors) == sorted(receiver.baseline.tensors) == sorted(trackable)
+    assert sender.baseline.nbytes == receiver.baseline.nbytes == sum(weights[name].nbytes for name in trackable)
 
 
 @pytest.mark.parametrize("bound", [0, 30_000, 60_000])
@@ -127,22 +142,26 @@ def test_a_bounded_baseline_keeps_what_fits_on_both_sides_and_sends_the_rest_who
     weights = model(generator)
     fits, total = [], 0
     for name, tensor in weights.items():
-        if total + tensor.nbytes <= bound:
+        if can_pay(tensor) and total + tensor.nbytes <= bound:  # the rest can only travel whole
             fits.append(name)
             total += tensor.nbytes
     assert 0 < len(fits) < len(weights) or bound == 0, fits  # the bound cuts the model somewhere
     assert_same(refit(sender, receiver, weights), weights)
     for k in range(6):
-        weights = step(weights, FRACTIONS[k % len(FRACTIONS)] or 0.01, generator)
+        fraction = FRACTIONS[k % len(FRACTIONS)] or 0.01
+        weights = step(weights, fraction, generator)
         stats = RefitStats()
         assert_same(refit(sender, receiver, weights, stats), weights)
-        assert sorted(sender.baseline.tensors) == sorted(receiver.baseline.tensors) == sorted(fits)
-        assert sender.baseline.nbytes == receiver.baseline.nbytes == total <= bound
+        held = [] if fraction == 1.0 else fits  # all changed: untracked for a refit, their places kept
+        assert sorted(sender.baseline.tensors) == sorted(receiver.baseline.tensors) == sorted(held)
+        assert sender.baseline.nbytes == receiver.baseline.nbytes == sum(weights[name].nbytes for name in held)
+        assert total <= bound
         untracked_bytes = sum(t.nbytes for name, t in weights.items() if name not in fits)
         assert stats.payload_bytes >= untracked_bytes  # the weights past the bound: whole every time
-        patchable_fits = [name for name in fits if weights[name].numel() > 1]
-        if FRACTIONS[k % len(FRACTIONS)] in (0.0, 0.0001, 0.01):
-            assert stats.patched_tensors == len(patchable_fits), (stats, patchable_fits)
+        if k and FRACTIONS[k - 1] == 1.0:  # tracked again: whole
+            assert (stats.patched_tensors, stats.whole_tensors) == (0, len(fits)), (stats, fits)
+        elif FRACTIONS[k % len(FRACTIONS)] in (0.0, 0.0001, 0.01):
+            assert stats.patched_tensors == len(fits), (stats, fits)
 
 
 def test_an_untracked_weight_sent_twice_is_refused() -> None:
@@ -271,7 +290,8 @@ def test_a_patch_of_the_wrong_size_is_refused() -> None:
     refit(sender, receiver, {"w": torch.zeros(100)})
     stream = sender.encode(iter({"w": torch.zeros(100).index_fill_(0, torch.tensor([3]), 1.0)}.items()), RefitStats())
     manifest, (name, blob) = next(stream), next(stream)
-    with pytest.raises(WireFormatError, match="w: a patch of 15 bytes does not hold whole elements"):
+    assert blob.numel() == 8 + 8 + 4  # the digest, one position padded to 8 bytes, one value
+    with pytest.raises(WireFormatError, match="w: a patch of 19 bytes does not hold whole elements"):
         list(receiver.decode(iter([manifest, (name, blob[:-1])]), RefitStats()))
 
 

@@ -686,7 +686,12 @@ class BucketedEngine(CheckpointEngine):
                 self._fail()
                 raise
             if self._delta is not None:
-                self._delta.commit_senders()
+                per_stream: dict[tuple[int, ...], RefitStats] = {
+                    (rank,): stats for rank, stats in self.last_stats_by_destination.items()
+                }
+                if not per_stream and self.last_stats is not None:  # one stream: its senders' ranks
+                    per_stream = {ranks: self.last_stats for ranks in self._delta.senders}
+                self._delta.commit_senders(per_stream)
             self._refit_index += 1
 
     async def receive_weight_batches(self) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:

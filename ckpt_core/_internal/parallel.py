@@ -1,0 +1,73 @@
+"""Host work split over the cores this process may run on: one small thread pool per process.
+
+For loops that read every byte of large tensors (delta refits' diffs, patches and digests),
+whose kernels release the GIL: :func:`run_parts` runs ``parts`` calls of one function at once,
+the first on the calling thread and the rest on the pool, and returns their results in order.
+The pool's threads start on first use; a forked child starts a pool of its own (the parent's
+threads do not survive a fork). The number of parts worth running is :func:`usable_cores`: a
+process pinned to one core (as vLLM pins its workers) runs its parts one after the other on the
+calling thread, with no hand-off at all.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def usable_cores() -> int:
+    """The cores this process may run on now (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def run_parts(work: Callable[[int], T], parts: int) -> list[T]:
+    """``[work(0), ..., work(parts - 1)]``, run at once: ``work(0)`` on the calling thread, the
+    others on the pool. Every part runs to its end before this returns; the first error raised
+    by a part (in part order) is raised here, after the others finished."""
+    if parts <= 1:
+        return [work(0)] if parts == 1 else []
+    pool = _shared_pool()
+    futures: list[Future[T]] = [pool.submit(work, index) for index in range(1, parts)]
+    first: list[T] = []
+    error: BaseException | None = None
+    try:
+        first.append(work(0))
+    except BaseException as exc:  # noqa: BLE001 - raised below, once every part finished
+        error = exc
+    results = first
+    for future in futures:
+        try:
+            results.append(future.result())
+        except BaseException as exc:  # noqa: BLE001 - the first part's error wins
+            error = error or exc
+    if error is not None:
+        raise error
+    return results
+
+
+def _shared_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 1) - 1), thread_name_prefix="ckpt-host")
+        return _pool
+
+
+def _forget_pool_in_child() -> None:
+    global _lock, _pool
+    _lock = threading.Lock()
+    _pool = None  # its threads are the parent's: a child that submitted to it would wait forever
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_in_child)
