@@ -29,7 +29,13 @@ from ckpt_core.contract import TensorMeta
 from ckpt_core.errors import UnsupportedTensorError
 from ckpt_core.options import check_bucket_size
 
-__all__ = ["merge_weight_chunk_batches", "split_weight_chunks", "split_weight_chunks_bounded", "tensor_bytes"]
+__all__ = [
+    "BucketPlan",
+    "merge_weight_chunk_batches",
+    "split_weight_chunks",
+    "split_weight_chunks_bounded",
+    "tensor_bytes",
+]
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -66,8 +72,7 @@ def split_weight_chunks(
     and ``UnsupportedTensorError`` for an item that
     is not a byte-movable tensor, or whose name is not a string.
     """
-    check_bucket_size(bucket_size, name="bucket_size")
-    return _split(weights, bucket_size, None, 0, 0, 0)
+    return BucketPlan(bucket_size).chunks(weights)
 
 
 def split_weight_chunks_bounded(
@@ -83,51 +88,74 @@ def split_weight_chunks_bounded(
     tensor of at most ``keep_whole`` bytes that does not fit in the room left opens a new
     bucket instead of being split over two (a receiver can then take it straight from one
     bucket). ``open_bucket``: ``(bytes laid out, chunks placed)`` of a bucket already open,
-    which the first chunks continue (the pipeline's replay hands its open bucket over so)."""
-    check_bucket_size(bucket_size, name="bucket_size")
-    _require_positive_int("max_chunks", max_chunks)
-    used, chunks = open_bucket
-    if not (0 <= used <= bucket_size and 0 <= chunks <= max_chunks):
-        raise ValueError(
-            f"open_bucket {open_bucket!r} does not fit buckets of {bucket_size} bytes, {max_chunks} chunks"
-        )
-    return _split(weights, bucket_size, max_chunks, min(keep_whole, bucket_size), used, chunks)
+    which the first chunks continue (the pipeline's replay hands its open bucket over so).
+    :class:`BucketPlan` is the same layout with buckets its consumer may close early."""
+    return BucketPlan(bucket_size, max_chunks=max_chunks, keep_whole=keep_whole, open_bucket=open_bucket).chunks(
+        weights
+    )
+
+
+class BucketPlan:
+    """The layout of :func:`split_weight_chunks_bounded`, which its consumer may steer: after
+    :meth:`close_bucket`, the next chunk opens a new bucket (offset 0), whatever room the open
+    one had left. The refit pipeline closes a bucket so when it posts it early."""
+
+    def __init__(
+        self,
+        bucket_size: int,
+        *,
+        max_chunks: int | None = None,
+        keep_whole: int = 0,
+        open_bucket: tuple[int, int] = (0, 0),
+    ) -> None:
+        check_bucket_size(bucket_size, name="bucket_size")
+        if max_chunks is not None:
+            _require_positive_int("max_chunks", max_chunks)
+        used, chunks = open_bucket
+        if not (0 <= used <= bucket_size and 0 <= chunks <= (max_chunks or chunks)):
+            raise ValueError(
+                f"open_bucket {open_bucket!r} does not fit buckets of {bucket_size} bytes, {max_chunks} chunks"
+            )
+        self.bucket_size = bucket_size
+        self.max_chunks = max_chunks  # None: no bound
+        self.keep_whole = min(keep_whole, bucket_size)
+        self.used = used  # end of the last chunk placed in the open bucket
+        self.placed = chunks  # chunks placed in it
+
+    def close_bucket(self) -> None:
+        """The next chunk opens a new bucket."""
+        self.used = self.placed = 0
+
+    def chunks(
+        self, weights: Iterator[tuple[str, torch.Tensor]]
+    ) -> Generator[tuple[TensorMeta, torch.Tensor], None, None]:
+        """``weights`` cut into ``(meta, chunk)`` pairs laid out in this plan's buckets."""
+        bucket_size, max_chunks, keep_whole = self.bucket_size, self.max_chunks, self.keep_whole
+        for item in weights:
+            name, tensor = _unpack_item(item)
+            data = tensor_bytes(tensor)
+            total = data.numel()
+            # Element alignment, unless a bucket cannot hold even one element.
+            align = tensor.dtype.itemsize if tensor.dtype.itemsize <= bucket_size else 1
+            done = 0
+            if total <= keep_whole and -(-self.used // align) * align + total > bucket_size:
+                self.close_bucket()  # kept whole: it opens a new bucket
+            while True:
+                if self.placed == max_chunks:
+                    self.close_bucket()  # the next chunk opens a new bucket
+                offset, take = _place(self.used, total - done, align, bucket_size)
+                self.placed = 1 if offset < self.used else self.placed + 1
+                chunk = data if take == total else data[done : done + take]
+                self.used = offset + take
+                yield TensorMeta(name, tensor.shape, tensor.dtype, done, take, offset), chunk
+                done += take
+                if done == total:
+                    break
 
 
 def _require_positive_int(name: str, value: Any, unit: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1{unit}, got {value!r}")
-
-
-def _split(
-    weights: Iterator[tuple[str, torch.Tensor]],
-    bucket_size: int,
-    max_chunks: int | None,
-    keep_whole: int,
-    used: int,
-    chunks: int,
-) -> Generator[tuple[TensorMeta, torch.Tensor], None, None]:
-    # used: end of the last chunk placed in the current bucket; chunks: chunks placed in it
-    for item in weights:
-        name, tensor = _unpack_item(item)
-        data = tensor_bytes(tensor)
-        total = data.numel()
-        # Element alignment, unless a bucket cannot hold even one element.
-        align = tensor.dtype.itemsize if tensor.dtype.itemsize <= bucket_size else 1
-        done = 0
-        if total <= keep_whole and -(-used // align) * align + total > bucket_size:
-            used = chunks = 0  # kept whole: it opens a new bucket
-        while True:
-            if chunks == max_chunks:
-                used = chunks = 0  # the next chunk opens a new bucket
-            offset, take = _place(used, total - done, align, bucket_size)
-            chunks = 1 if offset < used else chunks + 1
-            chunk = data if take == total else data[done : done + take]
-            yield TensorMeta(name, tensor.shape, tensor.dtype, done, take, offset), chunk
-            used = offset + take
-            done += take
-            if done == total:
-                break
 
 
 def _place(used: int, remaining: int, align: int, bucket_size: int) -> tuple[int, int]:

@@ -36,6 +36,7 @@ import torch
 
 from ckpt_core._internal import bitdiff
 from ckpt_core._internal.device_checksum import device_payload_checksum
+from ckpt_core._internal.host_alloc import empty_host
 from ckpt_core.errors import InvalidArgumentError, WireFormatError
 
 # Device tensors: elements compared at once (bounds the comparison's mask, 16 MiB).
@@ -112,13 +113,26 @@ def diff(old: torch.Tensor, new: torch.Tensor, *, name: str) -> Patch | None:
 
 
 def compare(
-    old: torch.Tensor, new: torch.Tensor, *, name: str, encoded: bool = False, update: bool = False
+    old: torch.Tensor,
+    new: torch.Tensor,
+    *,
+    name: str,
+    encoded: bool = False,
+    update: bool = False,
+    screen: bool = False,
 ) -> Comparison:
     """Compare two versions of a tensor (see :func:`diff`, which this generalises). With
     ``encoded``, the patch is made in its wire form, with the new version's digest, and
     only where that form (digest and padding included) is fewer bytes than ``new``. With
     ``update`` (``old`` contiguous), ``old`` is patched into ``new`` in the same pass where a
-    patch is made (``Comparison.undo`` puts it back), and left as it was where none is."""
+    patch is made (``Comparison.undo`` puts it back), and left as it was where none is.
+
+    With ``screen`` (for a tensor whose changed fraction is unknown, or may be near the
+    break-even), the elements that changed are first counted in a sixteenth of the tensor,
+    spread over it (:data:`SCREEN_PARTS` ranges): where that many would not pay, it stops
+    there, without a patch (``changed`` and ``compared`` are the sample's). A comparison past
+    the break-even otherwise lays out patch entries until it knows, which at a high changed
+    fraction costs several times a pass that only reads."""
     bits_old, bits_new = _bits(old, name), _bits(new, name)
     if old.shape != new.shape or old.dtype != new.dtype or old.device != new.device:
         raise DeltaError(
@@ -128,9 +142,86 @@ def compare(
     if update and not old.is_contiguous():
         raise DeltaError(f"{name}: a version updated in place must be contiguous")
     max_changed = _most_changed(new.numel(), new.element_size(), encoded=encoded)
+    if screen and max_changed >= 0:
+        changed, compared = _sample(bits_old, bits_new)
+        if changed * new.numel() > max_changed * compared:
+            return Comparison(patch=None, changed=changed, compared=compared)
     if new.device.type == "cpu":
         return _compare_host(bits_old, bits_new, new.dtype, max_changed, encoded, update)
     return _compare_device(bits_old, bits_new, new.dtype, max_changed, encoded, update)
+
+
+SCREEN_PARTS = 16
+"""The ranges a screening comparison counts, spread evenly over the tensor: a sixteenth of it."""
+_SCREEN_ALL_BELOW = 1 << 16  # elements: a smaller tensor is screened whole
+
+
+def sample_ranges(numel: int) -> list[tuple[int, int]]:
+    """The ``[start, stop)`` element ranges a screening comparison reads in a tensor of
+    ``numel`` elements: :data:`SCREEN_PARTS` ranges of ``numel / SCREEN_PARTS**2`` elements,
+    evenly spread (the whole tensor, below 65536 elements)."""
+    if numel < _SCREEN_ALL_BELOW:
+        return [(0, numel)]
+    length = numel // SCREEN_PARTS**2
+    return [(part * numel // SCREEN_PARTS, part * numel // SCREEN_PARTS + length) for part in range(SCREEN_PARTS)]
+
+
+def take_sample(tensor: torch.Tensor, *, name: str) -> torch.Tensor:
+    """A copy of ``tensor``'s screening ranges (:func:`sample_ranges`), as integers of its
+    elements' width, one after the other: what :func:`sample_changes` compares it with later."""
+    bits = _bits(tensor, name)
+    return torch.cat([bits[start:stop] for start, stop in sample_ranges(bits.numel())])
+
+
+def fits_sample(sample: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """Whether ``sample`` (:func:`take_sample`) could be of a version of ``tensor``: the same
+    element width, device and count of sampled elements."""
+    ranges = sample_ranges(tensor.numel())
+    return (
+        patchable(tensor)
+        and sample.element_size() == tensor.element_size()
+        and sample.device == tensor.device
+        and sample.numel() == sum(stop - start for start, stop in ranges)
+    )
+
+
+def sample_changes(sample: torch.Tensor, tensor: torch.Tensor, *, name: str) -> tuple[int, int]:
+    """``(changed, compared)``: the elements of ``tensor``'s screening ranges whose bits differ
+    from ``sample`` (made by :func:`take_sample` from an earlier version of it), which is then
+    refreshed to this version in place. A :class:`DeltaError` names ``name`` for a sample of
+    another size or element width."""
+    bits = _bits(tensor, name)
+    ranges = sample_ranges(bits.numel())
+    if sample.dtype != bits.dtype or sample.numel() != sum(stop - start for start, stop in ranges):
+        raise DeltaError(
+            f"{name}: a sample of {sample.numel()} {sample.dtype} does not fit {tensor.dtype} {list(tensor.shape)}"
+        )
+    changed, at = 0, 0
+    for start, stop in ranges:
+        held, now = sample[at : at + stop - start], bits[start:stop]
+        if held.device.type == "cpu":
+            changed += bitdiff.count(held.numpy(), now.numpy(), [(0, stop - start)])
+        else:
+            changed += int((held != now).sum())
+        held.copy_(now)
+        at += stop - start
+    return changed, at
+
+
+def _sample(old: torch.Tensor, new: torch.Tensor) -> tuple[int, int]:
+    """``(changed, compared)`` over the screening ranges of two versions (integer views)."""
+    ranges = sample_ranges(new.numel())
+    compared = sum(stop - start for start, stop in ranges)
+    if new.device.type == "cpu":
+        return bitdiff.count(old.numpy(), new.numpy(), ranges), compared
+    return sum(int((old[start:stop] != new[start:stop]).sum()) for start, stop in ranges), compared
+
+
+def most_changed(tensor: torch.Tensor) -> int:
+    """The most changed elements a patch of ``tensor`` in its wire form (:func:`compare` with
+    ``encoded``) may hold and still be fewer bytes than the tensor; -1 where not even an empty
+    one is (see :func:`can_pay`)."""
+    return _most_changed(tensor.numel(), tensor.element_size(), encoded=True) if patchable(tensor) else -1
 
 
 def _most_changed(numel: int, width: int, *, encoded: bool) -> int:
@@ -367,7 +458,7 @@ def can_pay(tensor: torch.Tensor) -> bool:
     """Whether a patch of ``tensor`` in its wire form (:func:`compare` with ``encoded``) can
     be fewer bytes than the tensor: its elements compare bit for bit and an empty patch, its
     digest included, is smaller than it. A tensor that cannot is only ever sent whole."""
-    return patchable(tensor) and _most_changed(tensor.numel(), tensor.element_size(), encoded=True) >= 0
+    return most_changed(tensor) >= 0
 
 
 def patchable(tensor: torch.Tensor) -> bool:
@@ -378,8 +469,16 @@ def patchable(tensor: torch.Tensor) -> bool:
 
 def copy_bits(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of ``tensor``, made byte for byte (which works for dtypes that have no
-    copy kernel of their own, such as the 1-bit integers)."""
-    return tensor.contiguous().reshape(-1).view(torch.uint8).clone().view(tensor.dtype).reshape(tensor.shape)
+    copy kernel of their own, such as the 1-bit integers). On the host, from the process's
+    pool of mappings (:mod:`ckpt_core._internal.host_alloc`): a copy made again after one was
+    dropped (a weight tracked again after a rest) reuses its pages, already faulted in."""
+    source = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    if source.device.type == "cpu":
+        copy = empty_host(source.shape, torch.uint8)
+        copy.copy_(source)
+    else:
+        copy = source.clone()
+    return copy.view(tensor.dtype).reshape(tensor.shape)
 
 
 def _bits(tensor: torch.Tensor, name: str) -> torch.Tensor:

@@ -12,14 +12,12 @@ whole under its own name (both sides keep a copy); or as a patch, under ``<name>
 digest, its positions, its values); or whole under ``<name>`` + :data:`UNTRACKED_SUFFIX`, a
 weight neither side keeps a copy of.
 
-**The choice, weight by weight.** A patch is sent where it pays: the sender measures, as it
-goes, how fast it compares weights and how fast its link moves bytes (its refits' own
-statistics), and each weight's changed fraction at its last comparison. A weight whose patch
-those predict to take longer than sending it whole, or whose comparison found no patch fewer
-bytes, is sent whole and untracked (no copy on either side: copying it would cost more than it
-saves) for a rest of refits, then whole and tracked again, then compared again; the rest
-doubles each time the weight is found not to pay (up to :data:`MAX_REST` refits) and ends with
-its next patch. Every choice is counted in the refit's :class:`~ckpt_core.stats.RefitStats`.
+**The choice, weight by weight** (:mod:`ckpt_core.delta_choice`): a weight is *tracked* (both
+sides keep a copy; sent as a patch where that is fewer bytes) or *watched* (sent whole and
+untracked, its changes measured on a sixteenth of it); the sender's model of its own refit
+times moves weights between the two. Weights released by the model leave both baselines at the
+refit's manifest. Weights no patch can pay for (0-d, empty, elements not compared bitwise)
+always go untracked. Every choice is counted in the refit's :class:`~ckpt_core.stats.RefitStats`.
 
 What it guarantees:
 
@@ -31,32 +29,49 @@ What it guarantees:
   (:class:`~ckpt_core.errors.IntegrityError` naming it on a mismatch);
 * a baseline moves only with :meth:`~DeltaSender.commit`, which a side calls once its refit
   completed: a refit that failed anywhere leaves both baselines as they were (the sender's
-  copies, patched as it compared them, are put back). A sender that cannot know whether its
+  copies, patched as it compared them, are put back), but for the weights its manifest
+  released, which both sides drop as it is sent and received. A sender that cannot know whether its
   destination completed (it failed, or its destination reports another version when they meet
   again) calls :meth:`~DeltaSender.forget`, and its next refit sends every weight whole.
 
 What it costs: each side holds a copy of every weight it tracks (its :attr:`Baseline.nbytes`);
 the sender compares each weight with its copy (one pass over both, in which the copy is
 patched and the new weight hashed) and copies each weight it sends whole and tracked; the
-receiver patches its copy and hashes it (one pass) and copies each weight received whole and
-tracked. A sender given ``max_baseline_bytes`` keeps copies of the weights that fit in it, in
-the order it sends them (the same weights every refit where the order and shapes stay), and
-sends the rest whole and untracked, so that its destination keeps no copy of them either: each
-side's baseline of one stream stays within that bound.
+receiver patches its copy and hashes it (one pass) and keeps each weight received whole and
+tracked (as it arrived where it owns it, else a copy). A sender given ``max_baseline_bytes``
+keeps copies of the weights that fit in it, in the order it sends them (the same weights every
+refit where the order and shapes stay), and sends the rest whole and untracked, so that its
+destination keeps no copy of them either: each side's baseline of one stream stays within
+that bound.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 import uuid
-from collections.abc import Generator, Iterable, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-from ckpt_core.delta import Patch, apply, apply_and_digest, can_pay, compare, copy_bits, decode, encoded_bytes
+from ckpt_core._internal import bitdiff
+from ckpt_core.delta import (
+    Patch,
+    apply,
+    apply_and_digest,
+    can_pay,
+    compare,
+    copy_bits,
+    decode,
+    fits_sample,
+    most_changed,
+    sample_changes,
+    take_sample,
+)
+from ckpt_core.delta_choice import CostModel, RefitCosts, WeightHistory
 from ckpt_core.errors import IntegrityError, LifecycleError, WireFormatError
 from ckpt_core.stats import RefitStats
 
@@ -66,13 +81,7 @@ PATCH_SUFFIX = "\x00patch"
 """Appended to a weight's name when it travels as a patch."""
 UNTRACKED_SUFFIX = "\x00untracked"
 """Appended to a weight's name when it travels whole and neither side keeps a copy of it."""
-_FORMAT_VERSION = 3  # 2: untracked weights; 3: leaf digests, patches' values 8-byte aligned
-MAX_REST = 16
-"""The most refits a weight that does not pay as a patch is sent whole and untracked before it
-is tracked (and compared) again."""
-MIN_EVIDENCE_BYTES = 64 << 20
-"""The bytes a rate must be measured over before the choice uses it."""
-_DECAY = 0.5  # the weight of a refit's measurements against the next refit's
+_FORMAT_VERSION = 4  # 2: untracked weights; 3: leaf digests, values 8-byte aligned; 4: released weights
 
 
 class BaselineMismatchError(LifecycleError):
@@ -107,9 +116,47 @@ class _Pending:
     version: str
     sent: dict[str, torch.Tensor | Patch] = dataclasses.field(default_factory=dict)
     names: set[str] = dataclasses.field(default_factory=set)  # every weight encoded, tracked or not
-    compared_bytes: int = 0
     compare_seconds: float = 0.0
+    copy_seconds: float = 0.0  # copying weights sent whole and tracked
+    tracked_bytes: int = 0  # of the weights sent whole and kept
+    untracked_bytes: int = 0  # of the weights sent whole and not kept
+    released_bytes: int = 0  # of those, the ones the destination held a copy of until now
+    patched_bytes: int = 0  # of the weights sent as patches
+    changed: int = 0  # elements those patches changed
+    upstream_seconds: float = 0.0  # waiting for the weights (the trainer's, any stage before this)
     complete: bool = False
+
+    def timed(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``weights``, each one's time to come added to ``upstream_seconds``."""
+        source = iter(weights)
+        while True:
+            start = time.perf_counter()
+            item = next(source, None)
+            self.upstream_seconds += time.perf_counter() - start
+            if item is None:
+                return
+            yield item
+
+    def untracked(
+        self, name: str, tensor: torch.Tensor, stats: RefitStats, *, chosen: bool, released: bool = False
+    ) -> tuple[str, torch.Tensor]:
+        """The entry of a weight sent whole with no copy kept (``chosen``: by the choice, not
+        the bound; ``released``: the destination held a copy until now), counted."""
+        nbytes = tensor.numel() * tensor.element_size()
+        stats.untracked_tensors += 1
+        stats.chosen_whole_tensors += chosen
+        self.untracked_bytes += nbytes
+        self.released_bytes += nbytes if released else 0
+        return name + UNTRACKED_SUFFIX, tensor
+
+    def tracked(self, name: str, tensor: torch.Tensor, stats: RefitStats) -> tuple[str, torch.Tensor]:
+        """The entry of a weight sent whole and kept: a copy of it is the next baseline's."""
+        start = time.perf_counter()
+        self.sent[name] = copy_bits(tensor.detach())
+        self.copy_seconds += time.perf_counter() - start
+        stats.whole_tensors += 1
+        self.tracked_bytes += tensor.numel() * tensor.element_size()
+        return name, tensor
 
     def committed(self) -> Baseline:
         """The next baseline: each patched copy (patched already), each whole one's copy."""
@@ -126,81 +173,6 @@ class _Pending:
         self.sent.clear()
 
 
-@dataclasses.dataclass
-class _History:
-    """What the sender's choice knows of one weight: the changed fraction its last comparison
-    found (at least this much where it stopped early; ``None``: not compared since it was
-    tracked again), and its rest: ``resting`` refits still to send it whole and untracked, and
-    the length of its next rest."""
-
-    fraction: float | None = None
-    resting: int = 0
-    rest: int = 1
-
-    def start_rest(self) -> None:
-        """The weight does not pay as a patch: it goes whole and untracked for this refit and
-        ``rest - 1`` more, and its next rest is twice as long (up to ``MAX_REST``); then it is
-        tracked again and its fraction measured afresh."""
-        self.resting = self.rest - 1
-        self.rest = min(MAX_REST, 2 * self.rest)
-        self.fraction = None
-
-
-class Rates:
-    """The sender's measured throughputs, in bytes per second, each over its refits so far
-    with older refits counting less (halved per refit): ``link``, the bytes its refits moved
-    over the time its pipeline ran (a refit's time less its comparisons'); ``compare``, the
-    weights' bytes its comparisons read, over their time. Each is ``None`` until it rests on
-    :data:`MIN_EVIDENCE_BYTES` (a few small refits' timings are mostly fixed costs)."""
-
-    def __init__(self) -> None:
-        self._moved = _Rate()
-        self._compared = _Rate()
-
-    @property
-    def link(self) -> float | None:
-        return self._moved.value
-
-    @property
-    def compare(self) -> float | None:
-        return self._compared.value
-
-    def refit(self, moved_bytes: int, pipeline_seconds: float, compared_bytes: int, compare_seconds: float) -> None:
-        """One refit's measurements."""
-        self._moved.add(moved_bytes, pipeline_seconds)
-        self._compared.add(compared_bytes, compare_seconds)
-
-    def whole_pays(self, tensor: torch.Tensor, fraction: float) -> bool:
-        """Whether sending ``tensor`` whole takes less time than comparing it and sending a
-        patch of ``fraction`` of its elements, at these rates (``False`` until both are known:
-        the comparison then decides, by bytes)."""
-        link, compare_rate = self.link, self.compare
-        if link is None or compare_rate is None:
-            return False
-        nbytes = tensor.numel() * tensor.element_size()
-        patch = encoded_bytes(round(fraction * tensor.numel()), tensor.numel(), tensor.element_size())
-        return nbytes / link <= nbytes / compare_rate + patch / link
-
-
-@dataclasses.dataclass
-class _Rate:
-    """Bytes over seconds, each refit's sums halving the weight of those before."""
-
-    nbytes: float = 0.0
-    seconds: float = 0.0
-    evidence: int = 0  # bytes measured in all, not decayed
-
-    def add(self, nbytes: int, seconds: float) -> None:
-        if seconds > 0 and nbytes > 0:
-            self.nbytes = _DECAY * self.nbytes + nbytes
-            self.seconds = _DECAY * self.seconds + seconds
-            self.evidence += nbytes
-
-    @property
-    def value(self) -> float | None:
-        return self.nbytes / self.seconds if self.evidence >= MIN_EVIDENCE_BYTES else None
-
-
 def _comparable(old: torch.Tensor, new: torch.Tensor) -> bool:
     return (old.shape, old.dtype, old.device) == (new.shape, new.dtype, new.device)
 
@@ -213,9 +185,9 @@ class DeltaSender:
         self.destination = destination
         self.max_baseline_bytes = max_baseline_bytes
         self.baseline = Baseline()
-        self.rates = Rates()
-        """What the choice between patches and whole weights is made with."""
-        self._history: dict[str, _History] = {}
+        self.costs = CostModel()
+        """What the choice between patches and whole weights predicts time with."""
+        self._history: dict[str, WeightHistory] = {}
         self._pending: _Pending | None = None
 
     def encode(
@@ -229,78 +201,96 @@ class DeltaSender:
         self.discard()  # a refit abandoned before its end is put back first
         base = self.baseline
         pending = self._pending = _Pending(base, uuid.uuid4().hex)
-        stats.delta_link_gbps = (self.rates.link or 0.0) / 1e9
-        stats.delta_compare_gbps = (self.rates.compare or 0.0) / 1e9
-        yield MANIFEST_NAME, _manifest(base.version, pending.version)
+        self._report_model(stats)
+        # Tracked weights the model releases leave both baselines at the manifest, before
+        # they arrive: the receiver's copies free their memory for them.
+        released = {name for name, held in base.tensors.items() if self._releases(name, held)}
+        for name in released:
+            del base.tensors[name]
+        yield MANIFEST_NAME, _manifest(base.version, pending.version, sorted(released))
         tracked_bytes = 0
-        for name, tensor in weights:
+        for name, tensor in pending.timed(weights):
             if name in pending.names:
                 raise WireFormatError(f"{self.destination}: the sender yields weight {name!r} twice in one refit")
             pending.names.add(name)
             stats.delta_tensors += 1
-            if not can_pay(tensor):
-                stats.untracked_tensors += 1
-                stats.chosen_whole_tensors += 1
-                yield name + UNTRACKED_SUFFIX, tensor
-                continue
             nbytes = tensor.numel() * tensor.element_size()
-            if self.max_baseline_bytes is not None and tracked_bytes + nbytes > self.max_baseline_bytes:
-                stats.untracked_tensors += 1
-                yield name + UNTRACKED_SUFFIX, tensor
+            if not can_pay(tensor):
+                yield pending.untracked(name, tensor, stats, chosen=True)
                 continue
-            tracked_bytes += nbytes  # its place in the bound, kept while it rests
-            if self._chooses_whole(name, tensor):
-                stats.untracked_tensors += 1
-                stats.chosen_whole_tensors += 1
-                yield name + UNTRACKED_SUFFIX, tensor
-                continue
-            history = self._history.setdefault(name, _History())
             old = base.tensors.get(name)
-            if old is None or not _comparable(old, tensor):  # new, reshaped, or tracked again after a rest
-                history.fraction = None
-                pending.sent[name] = copy_bits(tensor.detach())
-                stats.whole_tensors += 1
-                yield name, tensor
+            if self.max_baseline_bytes is not None and tracked_bytes + nbytes > self.max_baseline_bytes:
+                yield pending.untracked(name, tensor, stats, chosen=False, released=old is not None)
                 continue
+            tracked_bytes += nbytes  # its place in the bound, kept while it is watched
+            history = self._history.setdefault(name, WeightHistory())
+            if name in released:
+                history.sample = take_sample(tensor, name=name)
+                yield pending.untracked(name, tensor, stats, chosen=True)
+                continue
+            if old is None or not _comparable(old, tensor):
+                if history.watched and self._stays_watched(name, tensor, history):
+                    yield pending.untracked(name, tensor, stats, chosen=True)
+                    continue
+                history.fraction, history.sample = None, None  # new, reshaped, or tracked again
+                yield pending.tracked(name, tensor, stats)
+                continue
+            # Screened first unless its last comparison found it well below the break-even.
+            screen = history.fraction is None or 2 * history.fraction * tensor.numel() > most_changed(tensor)
             start = time.perf_counter()
-            found = compare(old, tensor, name=name, encoded=True, update=True)
+            found = compare(old, tensor, name=name, encoded=True, update=True, screen=screen)
             pending.compare_seconds += time.perf_counter() - start
-            pending.compared_bytes += found.compared * tensor.element_size()
             history.fraction = found.changed / max(1, found.compared)
-            if found.patch is None:  # no patch is fewer bytes: whole, and untracked for a rest
-                history.start_rest()
-                stats.untracked_tensors += 1
-                stats.chosen_whole_tensors += 1
-                yield name + UNTRACKED_SUFFIX, tensor
+            if found.patch is None:  # no patch is fewer bytes: whole, and watched from now on
+                history.sample = take_sample(tensor, name=name)
+                yield pending.untracked(name, tensor, stats, chosen=True, released=True)
                 continue
             assert found.undo is not None and found.encoded is not None
-            history.rest = 1
             pending.sent[name] = found.undo
+            pending.patched_bytes += nbytes
+            pending.changed += found.changed
             _count_patch(stats, found.patch, tensor)
             yield name + PATCH_SUFFIX, found.encoded
-        stats.delta_seconds += pending.compare_seconds
+        stats.delta_seconds += pending.compare_seconds + pending.copy_seconds
         pending.complete = True
 
-    def _chooses_whole(self, name: str, tensor: torch.Tensor) -> bool:
-        """Whether ``name`` goes whole and untracked by the choice this refit: it rests, or
-        its last changed fraction makes a patch predicted slower than the whole weight (which
-        starts a rest)."""
+    def _releases(self, name: str, held: torch.Tensor) -> bool:
+        """Whether tracked weight ``name`` (its copy ``held``) is released this refit: the model
+        predicts it faster whole, at the fraction its last comparison found."""
         history = self._history.get(name)
-        if history is None:
+        if history is None or history.fraction is None:
             return False
-        if history.resting:
-            history.resting -= 1
+        return self.costs.releases(held.numel() * held.element_size(), held.numel(), history.fraction)
+
+    def _stays_watched(self, name: str, tensor: torch.Tensor, history: WeightHistory) -> bool:
+        """Measure a watched weight's changes since the last refit on its sample (refreshing
+        it); whether it stays watched (the model does not predict its patch to pay)."""
+        assert history.sample is not None
+        if not fits_sample(history.sample, tensor):  # reshaped while watched: a new weight
+            return False
+        start = time.perf_counter()
+        changed, compared = sample_changes(history.sample, tensor, name=name)
+        pending = self._pending
+        assert pending is not None
+        pending.compare_seconds += time.perf_counter() - start
+        history.fraction = changed / max(1, compared)
+        if changed > most_changed(tensor) * compared / tensor.numel():  # no patch would be fewer bytes
             return True
-        if history.fraction is not None and self.rates.whole_pays(tensor, history.fraction):
-            history.start_rest()
-            return True
-        return False
+        return not self.costs.retracks(tensor.numel() * tensor.element_size(), tensor.numel(), history.fraction)
+
+    def _report_model(self, stats: RefitStats) -> None:
+        """The costs this refit's choices are made with, into ``stats`` (none yet: zeros)."""
+        whole, patched, changed = self.costs.per_byte_whole, self.costs.per_byte_patched, self.costs.per_changed
+        if whole is not None and patched is not None and changed is not None:
+            stats.delta_whole_gbps = 1e-9 / whole if whole else math.inf
+            stats.delta_patched_gbps = 1e-9 / patched if patched else math.inf
+            stats.delta_changed_ns = changed * 1e9
 
     def commit(self, stats: RefitStats | None = None) -> None:
         """The refit :meth:`encode` made completed at its destination: its weights are the
-        baseline now. ``stats``, the refit's own account of this stream, feeds the link rate
-        the next refits choose with. Refused (``LifecycleError``) without a refit encoded to its
-        end."""
+        baseline now. ``stats``, the refit's own account of this stream (its ``seconds``),
+        feeds the cost model the next refits choose with. Refused (``LifecycleError``) without
+        a refit encoded to its end."""
         pending = self._pending
         if pending is None or not pending.complete:
             raise LifecycleError(f"{self.destination}: no encoded refit to commit")
@@ -308,8 +298,19 @@ class DeltaSender:
         self.baseline = pending.committed()
         self._history = {name: history for name, history in self._history.items() if name in pending.names}
         if stats is not None:
-            pipeline_seconds = stats.seconds - pending.compare_seconds
-            self.rates.refit(stats.payload_bytes, pipeline_seconds, pending.compared_bytes, pending.compare_seconds)
+            # What the choice changes: not the time its weights took to come, nor its copies' (a
+            # tracked weight is copied whichever way it goes next).
+            seconds = stats.seconds - pending.upstream_seconds - pending.copy_seconds
+            self.costs.add(
+                RefitCosts(
+                    seconds,
+                    pending.tracked_bytes,
+                    pending.untracked_bytes,
+                    pending.patched_bytes,
+                    pending.changed,
+                    released_bytes=pending.released_bytes,
+                )
+            )
 
     def discard(self) -> None:
         """The refit failed at its destination (or before): the baseline stays as it was (its
@@ -334,10 +335,15 @@ class DeltaReceiver:
     entries go through :meth:`receive` one by one, in order, then :meth:`end`; or all at once
     through :meth:`decode`. Patches are applied to the baseline's copies in place, each with
     the old values it overwrote kept until :meth:`commit`, so that :meth:`discard` (or the
-    next refit's manifest, before a commit) puts the baseline back bit for bit."""
+    next refit's manifest, before a commit) puts the baseline back bit for bit.
 
-    def __init__(self, *, source: str) -> None:
+    ``keeps_received``: the tensors given to :meth:`receive` own their memory (no transport
+    reuses it), so a weight received whole is kept as it is, not copied; without it (a
+    receiver whose tensors are views of buffers it lends out), each is copied."""
+
+    def __init__(self, *, source: str, keeps_received: bool = False) -> None:
         self.source = source
+        self.keeps_received = keeps_received
         self.baseline = Baseline()
         self._refit: _Receiving | None = None  # receiving, or received to its end and not committed
         self._ended = False
@@ -356,23 +362,28 @@ class DeltaReceiver:
     def receive(self, name: str, tensor: torch.Tensor, stats: RefitStats) -> tuple[str, torch.Tensor] | None:
         """One entry of the refit, as a whole weight, counted into ``stats`` (its delta
         fields): ``None`` for the manifest (the first entry); a weight received whole is passed
-        on as received (this keeps a copy, unless it came untracked); a patched one is the
-        baseline's copy, patched in place and checked, which the caller reads (or copies) and
-        must not write to: the next refit patches it again (a write is caught then, by the
-        digest check)."""
+        on as received (and kept, as it is with ``keeps_received``, else as a copy, unless it
+        came untracked); a patched one is the baseline's copy, patched in place and checked.
+        A weight kept as it is, or patched, is the caller's to read (or copy), never to write
+        to: the next refit patches it again (a write is caught then, by the digest check)."""
         if self._refit is None or self._ended or name == MANIFEST_NAME:  # a manifest starts a refit
             self.discard()  # what an abandoned refit patched is put back first
             if name != MANIFEST_NAME:
                 raise WireFormatError(f"a delta refit from {self.source} starts with its manifest, got {name!r}")
-            base_version, version = _read_manifest(tensor, self.source)
+            base_version, version, released = _read_manifest(tensor, self.source)
             if base_version is not None and base_version != self.baseline.version:
                 raise BaselineMismatchError(
                     f"{self.source} made this refit's patches against weights version {base_version}, but this "
                     f"receiver holds {self.baseline.version}: nothing was applied; the sender must send every "
                     "weight whole"
                 )
-            base = self.baseline if base_version is not None else Baseline()  # a whole refit patches nothing
-            self._refit = _Receiving(base, version)
+            # What the sender holds no more, this receiver drops now, before the weights arrive
+            # (their memory is free for them): all of it for a refit made against nothing.
+            if base_version is None:
+                self.baseline = Baseline()
+            for weight in released:
+                self.baseline.tensors.pop(weight, None)
+            self._refit = _Receiving(self.baseline, version)
             return None
         refit = self._refit
         stats.delta_tensors += 1
@@ -384,7 +395,10 @@ class DeltaReceiver:
             stats.untracked_tensors += 1
             return weight, tensor
         if not name.endswith(PATCH_SUFFIX):
-            refit.kept[name] = copy_bits(tensor.detach())
+            start = time.perf_counter()
+            keep = self.keeps_received and tensor.is_contiguous() and not tensor.requires_grad
+            refit.kept[name] = tensor if keep else copy_bits(tensor.detach())
+            stats.delta_seconds += time.perf_counter() - start
             stats.whole_tensors += 1
             return name, tensor
         held = refit.base.tensors.get(weight)
@@ -457,13 +471,20 @@ class DeltaState:
 
     METADATA_KEY = "delta_baseline"
 
-    def __init__(self, *, max_baseline_bytes: int | None = None) -> None:
+    def __init__(self, *, max_baseline_bytes: int | None = None, keeps_received: bool = False) -> None:
         self.max_baseline_bytes = max_baseline_bytes  # each sender's bound
         self.senders: dict[tuple[int, ...], DeltaSender] = {}
-        self.receiver = DeltaReceiver(source="the policy")
+        self.receiver = DeltaReceiver(source="the policy", keeps_received=keeps_received)
 
     def metadata(self) -> dict[str, str | None]:
         return {self.METADATA_KEY: self.receiver.baseline.version}
+
+    @staticmethod
+    def warm_up(devices: Iterable[torch.device]) -> None:
+        """Where the engine's buffers are host memory, its refits compare and patch on the
+        host: their kernels are loaded in the background now, not by the first refit."""
+        if any(device.type == "cpu" for device in devices):
+            bitdiff.warm_up_in_background()
 
     def connect(self, streams: Mapping[tuple[int, ...], str], reported: Mapping[int, Any]) -> None:
         """The streams of this init (rollout ranks -> how messages name them) and the baseline
@@ -501,12 +522,22 @@ def _count_patch(stats: RefitStats, patch: Patch, weight: torch.Tensor) -> None:
     stats.changed_elements += patch.changed
 
 
-def _manifest(base: str | None, version: str) -> torch.Tensor:
-    data = json.dumps({"format": "ckpt-engine.delta", "version": _FORMAT_VERSION, "base": base, "makes": version})
+def _manifest(base: str | None, version: str, released: list[str]) -> torch.Tensor:
+    data = json.dumps(
+        {
+            "format": "ckpt-engine.delta",
+            "version": _FORMAT_VERSION,
+            "base": base,
+            "makes": version,
+            "released": released,
+        }
+    )
     return torch.frombuffer(bytearray(data.encode()), dtype=torch.uint8)
 
 
-def _read_manifest(tensor: torch.Tensor, source: str) -> tuple[str | None, str]:
+def _read_manifest(tensor: torch.Tensor, source: str) -> tuple[str | None, str, list[str]]:
+    """A manifest's ``(base, makes, released)``: the version its patches are made against
+    (``None``: none), the version it makes, and the weights that leave the baseline at once."""
     try:
         data = json.loads(bytes(tensor.cpu().numpy().tobytes()))
         if data["format"] != "ckpt-engine.delta" or data["version"] != _FORMAT_VERSION:
@@ -514,9 +545,11 @@ def _read_manifest(tensor: torch.Tensor, source: str) -> tuple[str | None, str]:
                 f"format {data['format']!r} version {data['version']!r}, this ckpt-core reads version "
                 f"{_FORMAT_VERSION}: give both sides the same ckpt-core"
             )
-        base, makes = data["base"], data["makes"]
+        base, makes, released = data["base"], data["makes"], data["released"]
         if not (base is None or isinstance(base, str)) or not isinstance(makes, str):
             raise ValueError("base and makes must be version strings")
+        if not isinstance(released, list) or not all(isinstance(name, str) for name in released):
+            raise ValueError("released must be a list of weight names")
     except (ValueError, KeyError, TypeError) as exc:
         raise WireFormatError(f"the delta manifest from {source} is malformed: {exc}") from None
-    return base, makes
+    return base, makes, released

@@ -58,29 +58,32 @@ class RefitStats:
     ``delta_max_baseline_bytes``, or sent whole by the choice): ``delta_tensors`` is
     ``patched_tensors + whole_tensors + untracked_tensors``."""
     chosen_whole_tensors: int = 0
-    """Delta refits, sender: of ``untracked_tensors``, those the choice sent whole: their
-    patch was found no smaller or predicted slower than the whole weight (at the rates below),
-    or they rest since it was (ckpt_core.delta_refit)."""
+    """Delta refits, sender: of ``untracked_tensors``, those the choice sent whole: no patch of
+    them can be fewer bytes, or theirs was found no fewer bytes or predicted slower than the
+    whole weight (by the costs below), or they rest since it was (ckpt_core.delta_choice)."""
     delta_seconds: float = 0.0
     """Delta refits: the sender's time comparing weights with its copies (patching them and
     hashing the new weights in the same pass); the receiver's, patching and checking."""
-    delta_link_gbps: float = 0.0
-    """Delta refits, sender: the link throughput its choices were made with, as measured over
-    its earlier refits (GB/s; 0.0: none yet). Combined over streams: the highest."""
-    delta_compare_gbps: float = 0.0
-    """Delta refits, sender: the comparison throughput its choices were made with (weight
-    bytes per second compared, GB/s; 0.0: none yet). Combined over streams: the highest."""
+    delta_whole_gbps: float = 0.0
+    """Delta refits, sender: what the choice between patches and whole weights expected of a
+    weight sent whole, in GB/s of its bytes, from this stream's refit times so far
+    (:mod:`ckpt_core.delta_choice`; 0.0 until measured). Combined over streams: the highest."""
+    delta_patched_gbps: float = 0.0
+    """Delta refits, sender: the same for a weight sent as a patch, before its changed
+    elements' cost."""
+    delta_changed_ns: float = 0.0
+    """Delta refits, sender: the cost the choice expected of each changed element (ns)."""
 
     @classmethod
     def combined(cls, parts: Iterable[RefitStats]) -> RefitStats:
         """One worker's account of a refit sent as several streams at once: counts and bytes
-        summed, ``seconds`` and rates the longest stream's and the highest, the other times
-        summed over the streams."""
+        summed, ``seconds`` the longest stream's, the choice's costs the highest, the other
+        times summed over the streams."""
         total = cls()
         for part in parts:
             for field in dataclasses.fields(cls):
                 value = getattr(part, field.name)
-                if field.name == "seconds" or field.name.endswith("_gbps"):
+                if field.name == "seconds" or field.name.endswith(("_gbps", "_ns")):
                     setattr(total, field.name, max(getattr(total, field.name), value))
                 else:
                     setattr(total, field.name, getattr(total, field.name) + value)

@@ -8,8 +8,9 @@ by numba (:mod:`ckpt_core._internal.bitdiff_kernels`, imported on first use):
 * :func:`find`: the elements whose bits differ between two versions, laid out as a patch's
   wire form, and the new version's digest, in one pass over both (each leaf is hashed while
   the comparison has it in cache);
-* :func:`write`: a patch written into a tensor in place (the overwritten values kept on
+* :func:`patch`: a patch written into a tensor in place (the overwritten values kept on
   request), its positions checked as it goes;
+* :func:`count`: the changed elements in a few ranges (a screening sample), read only;
 * :func:`digest`: the leaf digest of a tensor's bytes.
 
 **Leaf digest.** The bytes are cut into leaves of :data:`LEAF_BYTES`; the digest is xxh3_64 of
@@ -47,6 +48,48 @@ def kernels() -> ModuleType:
             f"delta refits of host tensors need numba ({exc}): pip install 'numba>=0.60' (ckpt-core depends on it)"
         ) from exc
     return bitdiff_kernels
+
+
+_warming: threading.Thread | None = None
+
+
+def warm_up_in_background() -> None:
+    """Load (or compile, the first time on a machine) every kernel a host delta refit runs, on
+    a daemon thread, once per process: a refit that starts meanwhile waits only for what is
+    left (numba's dispatchers serialize the loading). Importing numba and loading each kernel
+    from its cache takes a few tenths of a second, which a first refit would otherwise pay."""
+    global _warming
+    with _warm_lock:
+        if _warming is None:
+            _warming = threading.Thread(target=_warm_up, name="ckpt-delta-warm-up", daemon=True)
+            _warming.start()
+
+
+def _warm_up() -> None:
+    try:
+        for value_dtype in (np.uint8, np.int16, np.int32, np.int64):
+            old = np.zeros(64, dtype=value_dtype)
+            new = old.copy()
+            new[3] = 1
+            for update in (False, True):
+                find(
+                    old.copy(),
+                    new,
+                    max_changed=8,
+                    position_dtype=np.dtype(np.int32),
+                    prefix=8,
+                    with_digest=True,
+                    update=update,
+                )
+            patch(old.copy(), np.array([3], dtype=np.int32), new[3:4], keep=True, with_digest=True)
+            patch(old.copy(), np.array([3], dtype=np.int32), new[3:4], keep=False, with_digest=False)
+            kernels().scatter(old.copy(), np.array([3], dtype=np.int32), new[3:4])
+            count(old, new, [(0, 64)])
+    except Exception:  # noqa: BLE001 - a refit that needs a kernel reports why it cannot load
+        pass
+
+
+_warm_lock = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,13 +272,23 @@ def patch(
         first = min(bad, default=0)
         if keep:
             for lo, written, _ in results:
-                held[positions[lo:written]] = saved[lo:written]
+                compiled.scatter(held, positions[lo:written], saved[lo:written])
         raise ValueError(
             f"patch entry {first} holds position {int(positions[first])}: positions must ascend strictly, within "
             f"the {size} elements"
         )
     digest_value = _combine(size * width, [d for _, _, digests in results for d in digests]) if with_digest else None
     return (saved if keep else None), digest_value
+
+
+def count(old: np.ndarray, new: np.ndarray, ranges: list[tuple[int, int]]) -> int:
+    """The elements whose bits differ between ``old`` and ``new`` in each ``[start, stop)`` of
+    ``ranges``, summed (read only, on the calling thread: a screening sample is small)."""
+    compiled = kernels()
+    lanes, head, old_words, new_words = _words(old, new)
+    return sum(
+        compiled.count_changes(old, new, old_words, new_words, head, lanes, start, stop) for start, stop in ranges
+    )
 
 
 def digest(data: np.ndarray) -> int:
@@ -300,7 +353,7 @@ class _Part:
         """Write the saved values of entries ``[start, stop)`` back into ``old``."""
         if stop > start:
             written = slice(start, stop)
-            old[self.scratch.positions[written]] = self.scratch.saved[written]
+            kernels().scatter(old, self.scratch.positions[written], self.scratch.saved[written])
 
 
 class _Scratch:
@@ -347,7 +400,9 @@ class _Scratch:
 
 
 def _reset_after_fork() -> None:
+    global _warm_lock, _warming
     _Scratch._lock = threading.Lock()  # another thread may have held it at the fork
+    _warm_lock, _warming = threading.Lock(), None  # the parent's warm-up thread is not the child's
 
 
 if hasattr(os, "register_at_fork"):

@@ -137,3 +137,60 @@ def write_patch(held: Any, positions: Any, values: Any, saved: Any, after: int) 
         held[p] = values[k]
         previous = p
     return -1
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def scatter(held: Any, positions: Any, values: Any) -> None:  # pragma: no cover - compiled
+    """``held[positions[k]] = values[k]`` for each ``k``: putting back values a kernel here
+    overwrote, at positions it found (trusted: no check)."""
+    for k in range(positions.shape[0]):
+        held[positions[k]] = values[k]
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def count_changes(
+    old: Any, new: Any, old_words: Any, new_words: Any, head: int, lanes: int, start: int, stop: int
+) -> int:  # pragma: no cover
+    """How many elements of ``[start, stop)`` differ between ``old`` and ``new`` (read only).
+    Whole words are compared as words: each lane of their difference folded onto its lowest
+    bit, the lanes summed by one multiplication, with no branch per word (it vectorizes)."""
+    n = 0
+    if lanes == 1 or stop - start < 2 * lanes:
+        for x in range(start, stop):
+            n += old[x] != new[x]
+        return n
+    first = min(stop, head + max(0, (start - head + lanes - 1) // lanes) * lanes)
+    for x in range(start, first):
+        n += old[x] != new[x]
+    word = (first - head) // lanes
+    end_word = max(word, min(old_words.shape[0], (stop - head) // lanes))
+    old_block, new_block = old_words[word:end_word], new_words[word:end_word]  # indexed from 0: see find_changes
+    total = np.uint64(0)
+    if lanes == 8:
+        for w in range(end_word - word):
+            d = np.uint64(old_block[w] ^ new_block[w])
+            d |= d >> np.uint64(4)
+            d |= d >> np.uint64(2)
+            d |= d >> np.uint64(1)
+            total += ((d & np.uint64(0x0101010101010101)) * np.uint64(0x0101010101010101)) >> np.uint64(56)
+    elif lanes == 4:
+        for w in range(end_word - word):
+            d = np.uint64(old_block[w] ^ new_block[w])
+            d |= d >> np.uint64(8)
+            d |= d >> np.uint64(4)
+            d |= d >> np.uint64(2)
+            d |= d >> np.uint64(1)
+            total += ((d & np.uint64(0x0001000100010001)) * np.uint64(0x0001000100010001)) >> np.uint64(48)
+    else:
+        for w in range(end_word - word):
+            d = np.uint64(old_block[w] ^ new_block[w])
+            d |= d >> np.uint64(16)
+            d |= d >> np.uint64(8)
+            d |= d >> np.uint64(4)
+            d |= d >> np.uint64(2)
+            d |= d >> np.uint64(1)
+            total += ((d & np.uint64(0x0000000100000001)) * np.uint64(0x0000000100000001)) >> np.uint64(32)
+    n += int(total)
+    for x in range(max(first, head + end_word * lanes), stop):
+        n += old[x] != new[x]
+    return n

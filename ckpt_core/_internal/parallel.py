@@ -4,9 +4,10 @@ For loops that read every byte of large tensors (delta refits' diffs, patches an
 whose kernels release the GIL: :func:`run_parts` runs ``parts`` calls of one function at once,
 the first on the calling thread and the rest on the pool, and returns their results in order.
 The pool's threads start on first use; a forked child starts a pool of its own (the parent's
-threads do not survive a fork). The number of parts worth running is :func:`usable_cores`: a
-process pinned to one core (as vLLM pins its workers) runs its parts one after the other on the
-calling thread, with no hand-off at all.
+threads do not survive a fork). The number of parts worth running is :func:`usable_cores`, as
+many as torch's intra-op threads: a process given one thread (a local pool's share of a small
+machine) or pinned to one core (as vLLM pins its workers) runs its parts one after the other on
+the calling thread, with no hand-off at all.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
+import torch
+
 T = TypeVar("T")
 
 _lock = threading.Lock()
@@ -24,10 +27,11 @@ _pool: ThreadPoolExecutor | None = None
 
 
 def usable_cores() -> int:
-    """The cores this process may run on now (its affinity mask where the OS has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
+    """The cores this process's host work may use now: torch's intra-op thread count (which
+    follows ``OMP_NUM_THREADS``: a launcher that gives each of several processes its share of
+    the cores sets it so), within the process's affinity mask where the OS has one."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, torch.get_num_threads()))
 
 
 def run_parts(work: Callable[[int], T], parts: int) -> list[T]:

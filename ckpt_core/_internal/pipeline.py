@@ -1,9 +1,10 @@
 """The refit pipeline every transport shares: pack, describe, move, verify, reassemble.
 
-Sender: ``split_weight_chunks_bounded`` lays chunks out in buckets (closing one early at
-``MAX_CHUNKS_PER_BUCKET`` chunks, so many small tensors stream instead of waiting for a full
-bucket; a tensor of at most ``KEEP_WHOLE_BYTES``, or any that fits a bucket when a receiver
-borrows, opens a new bucket rather than being split over two). A chunk of at least
+Sender: a :class:`~ckpt_core.chunking.BucketPlan` lays chunks out in buckets (closing one early
+at ``MAX_CHUNKS_PER_BUCKET`` chunks, so many small tensors stream instead of waiting for a full
+bucket, and after a weight that took ``SLOW_WEIGHT_S`` to come, so the wire works while the
+generator does; a tensor of at most ``KEEP_WHOLE_BYTES``, or any that fits a bucket when a
+receiver borrows, opens a new bucket rather than being split over two). A chunk of at least
 ``direct_min_bytes`` goes *direct* when the transport allows it (``direct_chunks``): it is sent
 from the caller's tensor as a message of its own. Every other chunk is copied into the
 transport's slot buffer, packed at the next offset aligned to its element size (its place in
@@ -60,7 +61,7 @@ from ckpt_core._internal.host_alloc import SMALL_COPY_BYTES, host_address, prefa
 from ckpt_core._internal.replay import PackingRecord, RecordedBucket, held_apart, replays
 from ckpt_core._internal.storage_check import check_still_held
 from ckpt_core._internal.wire import BucketHeader, HeaderMemo, decode_header, encode_chunks, encode_header
-from ckpt_core.chunking import split_weight_chunks_bounded, tensor_bytes
+from ckpt_core.chunking import BucketPlan, tensor_bytes
 from ckpt_core.contract import TensorMeta
 from ckpt_core.errors import (
     IntegrityError,
@@ -81,6 +82,12 @@ DIRECT_MIN_BYTES = 1 << 20
 MAX_CHUNKS_PER_BUCKET = 512
 """A bucket of many small tensors is posted at this many chunks, so the receiver unpacks one
 while the sender packs the next instead of waiting for a whole bucket of them."""
+
+
+SLOW_WEIGHT_S = 1e-3
+"""A weight that took this long or longer to come from the generator (a stage comparing it,
+quantizing it, a trainer gathering it) closes the bucket it is packed in: the bucket is posted
+as soon as the weight is packed, so the wire and the receivers work while the next one comes."""
 
 
 KEEP_WHOLE_BYTES = 64 << 10
@@ -178,10 +185,18 @@ def send_refit(
     try:
         rest, open_bucket = packer.replay(iter(weights))
         seen: set[str] | None = None
-        for meta, chunk in split_weight_chunks_bounded(
-            rest, bucket_size, max_chunks=MAX_CHUNKS_PER_BUCKET, keep_whole=packer.keep_whole, open_bucket=open_bucket
-        ):
+        plan = BucketPlan(
+            bucket_size, max_chunks=MAX_CHUNKS_PER_BUCKET, keep_whole=packer.keep_whole, open_bucket=open_bucket
+        )
+        chunks = plan.chunks(rest)
+        slow = False  # the weight being packed took SLOW_WEIGHT_S or more to come
+        while True:
+            asked = time.perf_counter()
+            meta, chunk = next(chunks, (None, None))
+            if meta is None or chunk is None:
+                break
             if meta.chunk_offset == 0:
+                slow = time.perf_counter() - asked >= SLOW_WEIGHT_S
                 refit.check_cancel()
                 if seen is None:
                     seen = packer.replayed_names()
@@ -194,6 +209,11 @@ def send_refit(
             if packer.opens_bucket(meta):
                 packer.post(last=False)
             packer.add(meta, chunk)
+            if slow and meta.chunk_offset + meta.chunk_size == meta.nbytes:
+                # The next weight will likely be as slow to come: the receivers take this one
+                # meanwhile, instead of waiting for a full bucket.
+                packer.post(last=False)
+                plan.close_bucket()
         packer.finish()
     except TransferError as exc:
         packer.forget()

@@ -254,7 +254,13 @@ class BucketedEngine(CheckpointEngine):
             )
         # With delta: the baselines, kept across finalize() (they are the option's point).
         self._delta: DeltaState | None = (
-            DeltaState(max_baseline_bytes=values.delta_max_baseline_bytes) if self.delta else None
+            DeltaState(
+                max_baseline_bytes=values.delta_max_baseline_bytes,
+                # Received tensors own their memory unless lent: a weight received whole is kept as it is.
+                keeps_received=not values.borrow_received_tensors,
+            )
+            if self.delta
+            else None
         )
         # With quantize_for_rollout: what the destinations hold quantized, and how messages name them.
         self._quantization: tuple[QuantizationSpec, str] | None = None
@@ -377,6 +383,10 @@ class BucketedEngine(CheckpointEngine):
         if self._delta is not None:
             self._connect_delta(worker_rank, train_world_size, rollout_world_size, checked)
         self._sender = self._connect_policy(worker_rank, train_world_size, rollout_world_size, checked)
+        if self._delta is not None:
+            connected = self._sender
+            senders = list(connected.values()) if isinstance(connected, Mapping) else [connected] if connected else []
+            self._delta.warm_up([sender.buffer(0).device for sender in senders])
         self._target_layout = layout
         # A rollout that borrows can lend only bytes that arrived in its buffers: a direct
         # chunk would land in fresh memory it then owns (allocated, faulted in) instead.
@@ -392,6 +402,8 @@ class BucketedEngine(CheckpointEngine):
             rollout_rank, own_index, train_world_size, rollout_world_size, metadata, role="rollout"
         )
         self._receiver = self._connect_rollout(rollout_rank, train_world_size, rollout_world_size, checked)
+        if self._delta is not None:
+            self._delta.warm_up([self._receiver.buffer(0).device])
         self._enter(_State.ROLLOUT, rollout_rank)
 
     def finalize(self) -> None:

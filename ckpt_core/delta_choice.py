@@ -1,0 +1,203 @@
+"""How a delta refit's sender chooses, weight by weight, between a patch and the whole weight.
+
+A patch is fewer bytes wherever few enough elements changed, but not always less time: finding
+it reads the weight and its copy, and each changed element costs something on both sides (laid
+out and hashed on the sender, written into the receiver's copy). Where the wire is fast (a
+loopback, NVLink) a patch of a few percent can take longer than the whole weight; where it is
+slow (a cross-node link) a patch of a third can still win. So the sender measures, and chooses.
+
+Each weight a patch can pay for is, at each refit, in one of two states (:class:`WeightHistory`):
+
+* **tracked**: both sides hold a copy of it; it is compared with its copy and sent as a patch
+  where that is fewer bytes (a comparison that finds no patch of fewer bytes sends it whole and
+  starts watching it). Its changed fraction is what its last comparison found.
+* **watched**: neither side holds a copy (copying it would cost more than it saves); it is sent
+  whole, and the sender keeps only a copy of a sixteenth of it, the ranges a screening
+  comparison reads (:func:`ckpt_core.delta.sample_ranges`), which it compares and refreshes at
+  each refit: its changed fraction, step by step, for a sixteenth of a comparison's cost.
+
+:class:`CostModel` fits the time of a stream's refits to what they moved, and decides the moves
+between the two: a tracked weight whose fraction makes its patch predicted slower than the whole
+weight is released (at the refit's manifest: the receiver frees its copy before the weights
+arrive) and watched; a watched weight whose patch is predicted to take at most
+:data:`RETRACK` of its whole time is tracked again (sent whole, both sides keep a copy) and
+compared from the next refit on. Until the model has evidence (:data:`MIN_EVIDENCE_BYTES` sent
+each way), the choice is by bytes alone: a patch wherever one is fewer bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+MIN_EVIDENCE_BYTES = 64 << 20
+"""The bytes a refit stream must have sent each way before its model decides."""
+DECAY = 0.7
+"""The weight of a refit's measurements against the next refit's."""
+EXPLORE = 0.75
+"""Before a stream has sent weights whole and untracked, a patch predicted to cost this share
+of a tracked whole weight's time (an upper bound on an untracked one's: the first refit of a
+stream also faults in the memory of every copy and received weight) is not trusted to pay: the
+weight is released, which measures the untracked time."""
+RETRACK = 0.8
+"""A watched weight is tracked again where its patch is predicted to take at most this share
+of its whole time: the margin keeps a weight near the break-even from moving (and being copied)
+at every refit."""
+
+_GB = 1e9
+# The prior the patched fit is held near (seconds per GB patched, per G elements changed): a
+# guess that a refit's data outweighs as soon as there is any, and that decides the split of
+# time between the two only while every refit changed about the same fraction.
+_PRIOR = np.array([0.1, 5.0])
+_PRIOR_STRENGTH = 1e-4
+
+
+@dataclasses.dataclass
+class WeightHistory:
+    """What the sender's choice knows of one weight: its changed ``fraction`` (found by its
+    last comparison when tracked, by its sample when watched; ``None``: unknown, as for a
+    weight tracked again, until its next comparison), and, when it is watched, its ``sample``
+    (a copy of its screening ranges as last sent)."""
+
+    fraction: float | None = None
+    sample: torch.Tensor | None = None
+
+    @property
+    def watched(self) -> bool:
+        return self.sample is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class RefitCosts:
+    """What one refit of a stream moved, and how long it took: what the model learns from.
+    ``tracked_bytes`` are of the weights sent whole and kept (copied on both sides),
+    ``untracked_bytes`` of those sent whole and not kept, ``patched_bytes`` of those sent as
+    patches, which changed ``changed_elements`` elements."""
+
+    seconds: float
+    tracked_bytes: int
+    untracked_bytes: int
+    patched_bytes: int
+    changed_elements: int
+    released_bytes: int = 0
+    """Of the weights sent whole and not kept, those the receiver held until this refit: it
+    receives them into fresh memory while it still holds their copies (it may need them back
+    until the refit completes), which a refit of weights it no longer holds does not pay."""
+
+
+class CostModel:
+    """One stream's refit times, fitted (module docstring): a refit's seconds as ``whole x
+    B_whole + patched x B_patched + changed x C``. Each part is learnt from the refits that
+    sent mostly its kind (the minor parts predicted and taken off first), so that what is
+    known of one kind is kept, not forgotten, while a stream sends only another: the whole
+    part from refits of weights sent whole and untracked (what the choice compares a patch
+    with), or, until there is such a refit, from refits of weights sent whole and tracked
+    (their copies included: an upper bound); the patched part from refits of patches.
+
+    With no refit of untracked weights yet, a patch predicted to cost at least
+    :data:`EXPLORE` of that upper bound is not trusted to pay: the weight goes whole and
+    untracked, which measures the whole part (the first refit of a stream copies every weight
+    and faults its memory in: its time says little of a refit that does not).
+    ``per_byte_whole``, ``per_byte_patched`` (seconds per byte) and ``per_changed`` (seconds
+    per element) are the fitted costs, ``None`` until measured."""
+
+    def __init__(self) -> None:
+        self._untracked = np.zeros(2)  # decayed sums: seconds, GB
+        self._tracked = np.zeros(2)
+        self._gram = np.zeros((2, 2))  # patched part: decayed sums of x x^T and x y, x = (GB, G elements)
+        self._moment = np.zeros(2)
+        self._evidence = {"untracked": 0, "tracked": 0, "patched": 0}
+
+    def add(self, refit: RefitCosts) -> None:
+        """One refit's measurement: it teaches the part of the kind it sent most bytes of."""
+        parts = {
+            "untracked": refit.untracked_bytes - refit.released_bytes,
+            "tracked": refit.tracked_bytes,
+            "patched": refit.patched_bytes,
+            "released": refit.released_bytes,
+        }
+        kind = max(parts, key=lambda key: parts[key])
+        if refit.seconds <= 0 or parts[kind] == 0 or kind == "released":  # not what a steady refit pays
+            return
+        others = refit.seconds - sum(
+            self._predicted(key, refit) for key in ("untracked", "tracked", "patched") if key != kind
+        )
+        seconds = max(0.0, others)
+        if kind == "patched":
+            x = np.array([refit.patched_bytes, refit.changed_elements]) / _GB
+            self._gram = DECAY * self._gram + np.outer(x, x)
+            self._moment = DECAY * self._moment + x * seconds
+        else:
+            sums = self._untracked if kind == "untracked" else self._tracked
+            sums *= DECAY
+            sums += (seconds, parts[kind] / _GB)
+        self._evidence[kind] += parts[kind]
+
+    def _predicted(self, kind: str, refit: RefitCosts) -> float:
+        """The seconds the fit so far gives the part of ``refit`` of ``kind`` (0 unknown)."""
+        if kind == "patched":
+            fit = self._patched_fit()
+            return 0.0 if fit is None else float(fit @ np.array([refit.patched_bytes, refit.changed_elements])) / _GB
+        rate = self._whole_rate(kind)
+        return 0.0 if rate is None else rate * (refit.untracked_bytes if kind == "untracked" else refit.tracked_bytes)
+
+    def _whole_rate(self, kind: str) -> float | None:
+        sums = self._untracked if kind == "untracked" else self._tracked
+        if self._evidence[kind] < MIN_EVIDENCE_BYTES or sums[1] <= 0:
+            return None
+        return float(sums[0] / sums[1]) / _GB
+
+    def _patched_fit(self) -> np.ndarray | None:
+        """(seconds per GB patched, seconds per G elements changed), held near the prior."""
+        if self._evidence["patched"] < MIN_EVIDENCE_BYTES:
+            return None
+        ridge = _PRIOR_STRENGTH * np.eye(2)
+        return np.maximum(np.linalg.solve(self._gram + ridge, self._moment + ridge @ _PRIOR), 0.0)
+
+    @property
+    def per_byte_whole(self) -> float | None:
+        """Seconds per byte sent whole and untracked (else tracked: an upper bound)."""
+        untracked = self._whole_rate("untracked")
+        return untracked if untracked is not None else self._whole_rate("tracked")
+
+    @property
+    def per_byte_patched(self) -> float | None:
+        fit = self._patched_fit()
+        return None if fit is None else float(fit[0]) / _GB
+
+    @property
+    def per_changed(self) -> float | None:
+        fit = self._patched_fit()
+        return None if fit is None else float(fit[1]) / _GB
+
+    def releases(self, nbytes: int, numel: int, fraction: float) -> bool:
+        """Whether a tracked weight of ``nbytes`` and ``numel`` elements, of which ``fraction``
+        changed at its last comparison, is to be released and watched: predicted to take no
+        longer whole than as a patch, or, before any weight of the stream went whole and
+        untracked, its patch predicted to cost :data:`EXPLORE` of a tracked one (``False``
+        without evidence of patches)."""
+        patch = self._patch_seconds(nbytes, numel, fraction)
+        if patch is None:
+            return False
+        untracked = self._whole_rate("untracked")
+        if untracked is not None:
+            return bool(untracked * nbytes <= patch)
+        tracked = self._whole_rate("tracked")
+        return tracked is not None and bool(patch >= EXPLORE * tracked * nbytes)
+
+    def retracks(self, nbytes: int, numel: int, fraction: float) -> bool:
+        """Whether a watched weight whose patch would be fewer bytes (``fraction`` of it changed
+        since the last refit, by its sample) is to be tracked again: its patch predicted to
+        take at most :data:`RETRACK` of its untracked whole time (``True`` until both are
+        known: the choice is then by bytes)."""
+        patch, untracked = self._patch_seconds(nbytes, numel, fraction), self._whole_rate("untracked")
+        return patch is None or untracked is None or bool(patch <= RETRACK * untracked * nbytes)
+
+    def _patch_seconds(self, nbytes: int, numel: int, fraction: float) -> float | None:
+        fit = self._patched_fit()
+        if fit is None:
+            return None
+        patched, changed = fit / _GB
+        return float(patched * nbytes + changed * fraction * numel)
