@@ -49,9 +49,10 @@ at every refit."""
 _GB = 1e9
 # The prior the patched fit is held near (seconds per GB patched, per G elements changed): a
 # guess that a refit's data outweighs as soon as there is any, and that decides the split of
-# time between the two only while every refit changed about the same fraction.
+# time between the two only while every refit changed about the same fraction. Its strength
+# is relative to the data's own (a thousandth of it).
 _PRIOR = np.array([0.1, 5.0])
-_PRIOR_STRENGTH = 1e-4
+_PRIOR_STRENGTH = 1e-3
 
 
 @dataclasses.dataclass
@@ -153,7 +154,7 @@ class CostModel:
         """(seconds per GB patched, seconds per G elements changed), held near the prior."""
         if self._evidence["patched"] < MIN_EVIDENCE_BYTES:
             return None
-        ridge = _PRIOR_STRENGTH * np.eye(2)
+        ridge = _PRIOR_STRENGTH * np.diag(np.diag(self._gram) + 1e-12)  # relative: the features' scales differ
         return np.maximum(np.linalg.solve(self._gram + ridge, self._moment + ridge @ _PRIOR), 0.0)
 
     @property

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 
 from ckpt_core import TensorMeta, split_weight_chunks
 from ckpt_core._internal.dtypes import dtype_name, transferable_dtypes
-from ckpt_core.chunking import split_weight_chunks_bounded
+from ckpt_core.chunking import BucketPlan, split_weight_chunks_bounded
 from ckpt_core.errors import UnsupportedTensorError
 from tests.helpers.tensors import (
     Chunk,
@@ -327,3 +327,16 @@ def test_bounded_split_opens_a_bucket_every_max_chunks(rng: torch.Generator) -> 
     assert_same_weights(flatten(merge_all(buckets)), weights)
     with pytest.raises(ValueError, match="max_chunks must be an int >= 1"):
         split_weight_chunks_bounded((item for item in weights), 1 << 20, max_chunks=0)
+
+
+def test_a_plan_closed_by_its_consumer_opens_the_next_bucket_at_offset_zero(rng: torch.Generator) -> None:
+    """``BucketPlan.close_bucket`` between two chunks: the next chunk starts a bucket of its
+    own, however much room the open one had; the chunks are the same."""
+    weights = [(f"w{i}", random_tensor((3,), torch.float32, rng)) for i in range(4)]
+    plan = BucketPlan(1 << 20, max_chunks=8)
+    offsets = []
+    for meta, _ in plan.chunks(item for item in weights):
+        offsets.append(meta.offset)
+        if meta.name == "w1":
+            plan.close_bucket()
+    assert offsets == [0, 12, 0, 12]

@@ -188,23 +188,26 @@ def test_the_sharded_refit_benchmark_runs_side_by_side(topology: str, tmp_path: 
 
 def test_the_delta_refit_benchmark_runs_side_by_side(tmp_path: Path) -> None:
     """``python -m benchmarks.delta`` in a tiny configuration: the workload's fractions are
-    measured, the delta refit moves the patch bound's bytes (and the full one every byte), and
-    the curve has a row per fraction asked."""
+    measured, the kernels against a copy, and at each fraction asked a full and a delta refit
+    with the floor beside them: at 1% the delta refit moves patches, at 50% every byte."""
     from benchmarks.delta import main
 
-    args = ["--size", "4MiB", "--elements-per-tensor", "262144", "--reps", "1", "--curve", "0.01", "0.5"]
-    args += ["--workload-hidden", "32", "--workload-layers", "1", "--workload-steps", "2", "--diff-elements", "65536"]
-    assert main([*args, "--bucket-size", "1MiB", "--out", str(tmp_path)]) == 0
+    args = ["--size", "4MiB", "--elements-per-tensor", "262144", "--reps", "1", "--fractions", "0.01", "0.5"]
+    args += ["--backends", "gloo_cpu", "--workload-hidden", "32", "--workload-layers", "1", "--workload-steps", "2"]
+    assert main([*args, "--kernel-size", "256KiB", "--bucket-size", "1MiB", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "delta.json").read_text())
-    refits = results["refits"]
-    assert refits["full_payload_bytes"] == refits["model_bytes"] == 4 << 20
-    assert 1.0 <= refits["bytes_ratio"] < 1.01  # the patches, their digests and the manifest
-    assert 0.005 < refits["changed_fraction"] <= 0.01
-    assert [row["fraction"] for row in refits["curve"]] == [0.01, 0.5]
-    assert refits["curve"][1]["delta_payload_bytes"] >= refits["model_bytes"]  # half changed: whole again
+    (run,) = results["refits"]
+    low, high = run["rows"]
+    assert [low["fraction"], high["fraction"]] == [0.01, 0.5]
+    assert low["full_payload_bytes"] == results["setup"]["size"] == 4 << 20
+    assert 0.005 < low["changed_fraction"] < 0.015
+    assert low["delta_payload_bytes"] < 0.05 * low["full_payload_bytes"]  # patches: 6 bytes a changed element
+    assert high["delta_payload_bytes"] >= high["full_payload_bytes"]  # half changed: whole again
+    assert low["floor_seconds"] > 0 and low["delta_over_floor"] > 0
     assert all(0 < f < 1 for row in results["workload"] for f in row["changed_fraction_per_step"])
-    assert results["diff"]["ratio_to_copy"] > 0
-    assert "| delta |" in (tmp_path / "delta.md").read_text()
+    assert results["kernels"]["diff_ratio_to_copy"] > 0 and results["kernels"]["apply_ratio_to_copy"] > 0
+    table = (tmp_path / "delta.md").read_text()
+    assert "## Refits: gloo_cpu" in table and "## Goals" in table
 
 
 def test_a_revision_is_measured_beside_this_tree(tmp_path: Path) -> None:

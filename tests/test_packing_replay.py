@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
+from ckpt_core._internal.pipeline import SLOW_WEIGHT_S
 from ckpt_core._internal.wire import BucketHeader, HeaderMemo, decode_header, encode_header
 from ckpt_core.contract import TensorMeta
 from ckpt_core.errors import UnsupportedTensorError, WireFormatError
@@ -240,3 +242,31 @@ def test_a_record_made_under_other_settings_is_not_replayed() -> None:
         assert [n for n, _ in copies] == [n for n, _ in source]
         assert all(torch.equal(got, want) for (_, got), (_, want) in zip(copies, source))
         assert policy.last_stats is not None and policy.last_stats.replayed_tensors == replayed
+
+
+def slowly(source: Weights, seconds: float) -> Iterator[tuple[str, torch.Tensor]]:
+    for item in source:
+        time.sleep(seconds)
+        yield item
+
+
+def test_weights_that_come_slowly_are_posted_each_as_soon_as_it_is_packed() -> None:
+    """A generator that takes ``SLOW_WEIGHT_S`` or longer per weight (a stage comparing or
+    quantizing, a trainer gathering) has each weight's bucket posted once it is packed, so the
+    receiver holds it while the next is made; weights that come at once share buckets."""
+    source = small_weights(7, count=6)
+    policy, rollout = connected_pair(1 << 20)
+    try:
+        outcome = run_refit(policy, rollout, lambda: iter(source))
+        assert outcome.receive_error is None and policy.last_stats is not None
+        assert policy.last_stats.buckets == 1  # every weight fits one bucket
+        outcome = run_refit(policy, rollout, lambda: slowly(source, 2 * SLOW_WEIGHT_S))
+        assert outcome.send_error is None and outcome.receive_error is None
+        assert [name for name, _ in outcome.received] == [name for name, _ in source]
+        for (_, got), (_, want) in zip(outcome.received, source):
+            assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+        assert policy.last_stats is not None and policy.last_stats.buckets >= len(source)
+        assert len(outcome.batches) >= len(source)  # each weight handed on as its bucket came
+    finally:
+        policy.finalize()
+        rollout.finalize()

@@ -196,7 +196,8 @@ def send_refit(
             if meta is None or chunk is None:
                 break
             if meta.chunk_offset == 0:
-                slow = time.perf_counter() - asked >= SLOW_WEIGHT_S
+                slow = time.perf_counter() - asked >= SLOW_WEIGHT_S or packer.slow_first
+                packer.slow_first = False
                 refit.check_cancel()
                 if seen is None:
                     seen = packer.replayed_names()
@@ -261,6 +262,7 @@ class _BucketPacker:
         if record is not None:
             record.start()
         self.replayed: list[RecordedBucket] = []  # buckets of the record this refit repeated
+        self.slow_first = False  # replay stopped at a weight that took SLOW_WEIGHT_S to come
         self.host_base: int | None = None
         self.bucket_index = 0
         self.chunks: list[TensorMeta] = []
@@ -339,8 +341,9 @@ class _BucketPacker:
     def replay(self, weights: Iterator[Any]) -> tuple[Iterator[Any], tuple[int, int]]:
         """Repeat the record's buckets while ``weights`` repeat their tensors: each chunk is
         copied (or queued direct) as it was last time, each bucket posted with its recorded
-        chunk list. The record's last bucket, or the one a differing tensor arrives in, stays
-        open. Returns the weights left for the general path (the differing one first) and the
+        chunk list. The record's last bucket, or the one a differing tensor (or one that took
+        ``SLOW_WEIGHT_S`` to come, which the general path then posts once packed) arrives in,
+        stays open. Returns the weights left for the general path (the differing one first) and the
         open bucket's ``(bytes laid out, chunks)``."""
         buckets = self.record.replayable_for(self.settings) if self.record is not None else []
         address = 0  # of the tensor whose chunks are being replayed, its item in `item`
@@ -369,8 +372,11 @@ class _BucketPacker:
                 meta = chunks[index]
                 index += 1
                 if meta.chunk_offset == 0:  # a tensor's first chunk: the next weight must repeat it
+                    asked = time.perf_counter()
                     item = next(weights, _END)
                     found = replays(item, meta) if item is not _END else None
+                    if found is not None and time.perf_counter() - asked >= SLOW_WEIGHT_S:
+                        found, self.slow_first = None, True  # the general path posts it once packed
                     if found is None:
                         self._replayed(tensors, start)
                         self._adopt(bucket, index - 1)
