@@ -245,21 +245,35 @@ def test_a_record_made_under_other_settings_is_not_replayed() -> None:
 
 
 def slowly(source: Weights, seconds: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """``source``, each weight after ``seconds`` of work on the calling thread."""
+    for item in source:
+        until = time.thread_time() + seconds
+        while time.thread_time() < until:
+            pass
+        yield item
+
+
+def paused(source: Weights, seconds: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """``source``, each weight after ``seconds`` asleep (a thread the machine paused)."""
     for item in source:
         time.sleep(seconds)
         yield item
 
 
 def test_weights_that_come_slowly_are_posted_each_as_soon_as_it_is_packed() -> None:
-    """A generator that takes ``SLOW_WEIGHT_S`` or longer per weight (a stage comparing or
+    """A generator that works ``SLOW_WEIGHT_S`` or longer per weight (a stage comparing or
     quantizing, a trainer gathering) has each weight's bucket posted once it is packed, so the
-    receiver holds it while the next is made; weights that come at once share buckets."""
+    receiver holds it while the next is made; weights that come at once share buckets, and so
+    do weights that come late only because their thread was paused (it did not work)."""
     source = small_weights(7, count=6)
     policy, rollout = connected_pair(1 << 20)
     try:
         outcome = run_refit(policy, rollout, lambda: iter(source))
         assert outcome.receive_error is None and policy.last_stats is not None
         assert policy.last_stats.buckets == 1  # every weight fits one bucket
+        outcome = run_refit(policy, rollout, lambda: paused(source, 3 * SLOW_WEIGHT_S))
+        assert outcome.receive_error is None and policy.last_stats is not None
+        assert policy.last_stats.buckets == 1
         outcome = run_refit(policy, rollout, lambda: slowly(source, 2 * SLOW_WEIGHT_S))
         assert outcome.send_error is None and outcome.receive_error is None
         assert [name for name, _ in outcome.received] == [name for name, _ in source]
