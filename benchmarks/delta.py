@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import statistics
 import sys
@@ -51,7 +52,7 @@ import torch
 
 from ckpt_core._internal import bitdiff
 from ckpt_core.cli import parse_size
-from ckpt_core.delta import apply, apply_and_digest, compare, decode
+from ckpt_core.delta import Patch, apply, apply_and_digest, compare, decode
 from ckpt_core.orchestration.coordinator import RefitCoordinator
 from ckpt_core.orchestration.local import LocalProcessPool
 from ckpt_core.orchestration.worker import RefitWorker, refit_worker_specs
@@ -285,15 +286,19 @@ def kernels(elements: int, fraction: float, repeats: int = 5) -> dict[str, Any]:
                 restore()  # untimed: the old version back for the next repeat
         return min(times)
 
+    def restore(tensor: torch.Tensor, undo: Patch) -> None:
+        apply(tensor, undo, name="w")
+
     def diff() -> Callable[[], None]:
         found = compare(baseline, new, name="w", encoded=True, update=True)
-        assert found.undo is not None
-        return lambda: apply(baseline, found.undo, name="w")  # type: ignore[arg-type]
+        undo = found.undo
+        assert undo is not None
+        return functools.partial(restore, baseline, undo)
 
     def receive() -> Callable[[], None]:
         patch, _ = decode(wire, held, name="w")
         undo, _ = apply_and_digest(held, patch, name="w")
-        return lambda: apply(held, undo, name="w")
+        return functools.partial(restore, held, undo)
 
     diff()()  # each kernel loaded (or compiled) before it is timed
     receive()()

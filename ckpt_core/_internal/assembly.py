@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from ckpt_core._internal.dtypes import dtype_name
-from ckpt_core._internal.host_alloc import POOLED_MIN_BYTES, empty_host, empty_host_storage
+from ckpt_core._internal.host_alloc import empty_host, empty_host_storage
 from ckpt_core.contract import TensorMeta
 from ckpt_core.errors import ChunkStreamError, OutOfMemoryError
 
@@ -102,7 +102,7 @@ class Landing:
                 f"tensor {meta.name!r}: chunk [{offset}, {end}) lies outside the {buffer.numel()}-byte buffer"
             )
         if self.target is None and self._device is None and buffer.device.type == "cpu":
-            whole = torch.empty(meta.shape, dtype=meta.dtype)
+            whole = empty_host(meta.shape, meta.dtype)
             if meta.chunk_size:
                 ctypes.memmove(whole.data_ptr(), buffer.data_ptr() + offset, meta.chunk_size)
             return whole
@@ -120,7 +120,12 @@ class Landing:
         return self._output
 
 
-SMALL_TENSOR_BYTES = 64 << 10
+COPIED_WHOLE_BYTES = 1 << 20
+"""A whole tensor smaller than this, arriving packed in one bucket, is copied out of it when
+its bucket is finished (:meth:`Landing.fill_from`); a larger one is planned a target of its own
+(where a direct chunk lands in place)."""
+
+SMALL_TENSOR_BYTES = 256 << 10
 """Whole tensors up to this size may be landed as views of a shared storage."""
 
 SHARED_STORAGE_BYTES = 1 << 20
@@ -384,7 +389,7 @@ class ChunkAssembler:
             device = chunk_device if self._device is None or (whole and self._split_only) else self._device
             if borrow and whole and not in_place and device == chunk_device:
                 return Landing(meta, None, None, None, borrowed=True)
-            if not in_place and whole and nbytes < POOLED_MIN_BYTES:
+            if not in_place and whole and nbytes < COPIED_WHOLE_BYTES:
                 move_to = None if device == chunk_device else device
                 return Landing(meta, None, None, move_to)
             pending = self._pending = _Partial(meta, _allocate(meta, device))
