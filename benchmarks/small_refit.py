@@ -12,11 +12,12 @@ and in turn:
   tensor (``time.perf_counter``: one clock for every process of the machine); the rollout waits
   for the refit first, as a rollout does. ``sender`` is the policy's own time, until
   ``send_weights`` returns.
-* **floor**, each backend's: its raw transport moving the same bytes, plus one round trip.
-  ``gloo_cpu``: raw Gloo ``send`` of the bytes as one tensor, the receiver's ``recv``, and a
-  1-byte answer back. ``cuda_ipc`` (host memory): the sender copies the bytes into a shared
-  mapping and writes a byte to a Unix socket; the receiver, woken by it, copies them out and
-  answers with a byte.
+* **floor**, each backend's (:func:`ckpt_core.bench.baselines.small_refit_floor`, measured
+  after the refits, in the same run): its raw transport moving the same bytes, plus one round
+  trip. ``gloo_cpu``: raw Gloo ``send`` of the bytes as one tensor, the receiver's ``recv``,
+  and a 1-byte answer back. ``cuda_ipc`` (host memory): the sender copies the bytes into a
+  shared mapping and writes a byte to a Unix socket; the receiver, woken by it, copies them out
+  and answers with a byte.
 
 Goals (the issue's): median refit <= 1.5 ms on ``cuda_ipc`` (cpu) and <= 2.5 ms on ``gloo_cpu``,
 each within 2x of its floor. Writes ``small_refit.json`` and ``small_refit.md`` to ``--out``.
@@ -28,19 +29,15 @@ import argparse
 import asyncio
 import contextlib
 import json
-import mmap
-import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ckpt_core.bench.baselines import RawGlooWorker
+from ckpt_core.bench.baselines import small_refit_floor, timed_pair
 from ckpt_core.cli import parse_size
 from ckpt_core.orchestration.coordinator import RefitCoordinator
 from ckpt_core.orchestration.local import LocalProcessPool
@@ -56,7 +53,6 @@ BACKENDS = {  # backend -> (engine options, coordinator topology)
 }
 GOALS_MS = {"gloo_cpu": 2.5, "cuda_ipc": 1.5}
 FLOOR_FACTOR = 2.0
-_START_MARGIN_S = 0.02  # the sender starts this long after the call, once the receiver waits
 
 
 def adapter(params: dict[str, Any], *, refit_index: int, rank: int) -> Weights:
@@ -102,91 +98,7 @@ class TimedRefitWorker(RefitWorker):
         return {"ended_at": ended, "tensors": count}
 
 
-class GlooFloorWorker(RawGlooWorker):
-    """Raw Gloo: rank 0 sends ``nbytes`` as one tensor, rank 1 receives it and answers 1 byte."""
-
-    def floor(self, *, nbytes: int, start_at: float) -> dict[str, float]:
-        payload = torch.ones(nbytes, dtype=torch.uint8)
-        answer = torch.zeros(1, dtype=torch.uint8)
-        if self.rank == 0:
-            time.sleep(max(0.0, start_at - time.perf_counter()))
-            start = time.perf_counter()
-            self._group.send([payload], 1, 0).wait(self.timeout)
-            self._group.recv([answer], 1, 1).wait(self.timeout)
-            return {"started_at": start, "ended_at": time.perf_counter()}
-        self._group.recv([payload], 0, 0).wait(self.timeout)
-        ended = time.perf_counter()
-        self._group.send([answer], 0, 1).wait(self.timeout)
-        return {"ended_at": ended}
-
-
-class ShmFloorWorker:
-    """Shared host memory: the sender copies ``nbytes`` into a mapping both processes share and
-    writes a byte to a Unix socket; the receiver copies them out and answers a byte."""
-
-    def __init__(self, *, rank: int, directory: str, nbytes: int) -> None:
-        self.rank, self.nbytes = rank, nbytes
-        path = os.path.join(directory, "floor.shm")
-        socket_path = os.path.join(directory, "floor.sock")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-            self._shared = mmap.mmap(fd, nbytes)
-        finally:
-            os.close(fd)
-        self.shared = torch.frombuffer(self._shared, dtype=torch.uint8)
-        self.local = torch.ones(nbytes, dtype=torch.uint8)
-        self.shared.fill_(1)
-        self._socket_path = socket_path
-        self._listener: socket.socket | None = None
-        self._sock: socket.socket | None = None
-        if rank == 1:
-            self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self._listener.bind(socket_path)
-            self._listener.listen(1)
-
-    def connect(self) -> None:
-        if self.rank == 0:
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self._sock.connect(self._socket_path)
-        else:
-            assert self._listener is not None
-            self._sock, _ = self._listener.accept()
-
-    def floor(self, *, nbytes: int, start_at: float) -> dict[str, float]:
-        assert self._sock is not None and nbytes == self.nbytes
-        if self.rank == 0:
-            time.sleep(max(0.0, start_at - time.perf_counter()))
-            start = time.perf_counter()
-            self.shared.copy_(self.local)
-            self._sock.sendall(b"x")
-            self._sock.recv(1)
-            return {"started_at": start, "ended_at": time.perf_counter()}
-        self._sock.recv(1)
-        self.local.copy_(self.shared)
-        ended = time.perf_counter()
-        self._sock.sendall(b"x")
-        return {"ended_at": ended}
-
-
-def end_to_end(results: list[Any]) -> tuple[float, float]:
-    """(sender start to receiver end, sender start to sender end) of one measurement."""
-    (sent, got) = [r.value for r in results]
-    return got["ended_at"] - sent["started_at"], sent["ended_at"] - sent["started_at"]
-
-
-def timed_pair(pool: LocalProcessPool, method: str, **kwargs: Any) -> tuple[float, float]:
-    start_at = time.perf_counter() + _START_MARGIN_S
-    results = pool.call(
-        [(0, method, {**kwargs, "start_at": start_at}), (1, method, {**kwargs, "start_at": start_at})], 60.0
-    )
-    failed = [r.describe() for r in results if not r.ok]
-    if failed:
-        raise RuntimeError("\n".join(failed))
-    return end_to_end(results)
-
-
-def measure(backend: str, tensors: int, nbytes: int, bucket_size: int, reps: int, directory: str) -> dict[str, Any]:
+def measure(backend: str, tensors: int, nbytes: int, bucket_size: int, reps: int) -> dict[str, Any]:
     options, topology = BACKENDS[backend]
     params = {"tensors": tensors, "nbytes": nbytes}
     specs, labels = refit_worker_specs(
@@ -200,7 +112,7 @@ def measure(backend: str, tensors: int, nbytes: int, bucket_size: int, reps: int
     )
     for spec in specs:
         spec["service"] = "benchmarks.small_refit:TimedRefitWorker"
-    refit_s, sender_s, floor_s = [], [], []
+    refit_s, sender_s = [], []
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(
             LocalProcessPool(specs, labels=[f"{backend}-{label}" for label in labels], env=worker_env())
@@ -209,15 +121,13 @@ def measure(backend: str, tensors: int, nbytes: int, bucket_size: int, reps: int
         coordinator.setup()
         stack.callback(coordinator.finalize)
         coordinator.refit()  # checked digest by digest
-        floor = stack.enter_context(open_floor(backend, nbytes, directory))
-        for _ in range(3):  # warm-up: the packing record, the receiver's memo, the floor's pages
+        for _ in range(3):  # warm-up: the packing record, the receiver's memo
             timed_pair(pool, "timed")
-            timed_pair(floor, "floor", nbytes=nbytes)
         for _ in range(reps):
             refit, sender = timed_pair(pool, "timed")
             refit_s.append(refit)
             sender_s.append(sender)
-            floor_s.append(timed_pair(floor, "floor", nbytes=nbytes)[0])
+    floor_s = small_refit_floor(backend, nbytes, reps, env=worker_env())
     median = statistics.median(refit_s)
     floor_median = statistics.median(floor_s)
     return {
@@ -231,27 +141,6 @@ def measure(backend: str, tensors: int, nbytes: int, bucket_size: int, reps: int
         "floor_median_s": floor_median,
         "over_floor": median / floor_median,
     }
-
-
-@contextlib.contextmanager
-def open_floor(backend: str, nbytes: int, directory: str) -> Any:
-    """A pool of two floor workers for ``backend``, connected."""
-    if backend == "gloo_cpu":
-        specs = [{"service": "benchmarks.small_refit:GlooFloorWorker", "rank": r, "size": 2} for r in range(2)]
-    else:
-        specs = [
-            {"service": "benchmarks.small_refit:ShmFloorWorker", "rank": r, "directory": directory, "nbytes": nbytes}
-            for r in range(2)
-        ]
-    with LocalProcessPool(specs, labels=["floor-a", "floor-b"], env=worker_env()) as pool:
-        if backend == "gloo_cpu":
-            (meta0,) = [r.value for r in pool.call([(0, "prepare", {})], 60.0)]
-            results = pool.call([(i, "init", {"metadata": [meta0, {}]}) for i in range(2)], 60.0)
-        else:
-            results = pool.call([(i, "connect", {}) for i in range(2)], 60.0)
-        if not all(r.ok for r in results):
-            raise RuntimeError("\n".join(r.describe() for r in results if not r.ok))
-        yield pool
 
 
 def report(results: dict[str, Any]) -> str:
@@ -285,12 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
     nbytes = 2 * args.tensors * (args.size // (2 * args.tensors))
-    with tempfile.TemporaryDirectory(
-        prefix="ckpt-small-refit-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
-    ) as directory:
-        runs = [
-            measure(backend, args.tensors, nbytes, args.bucket_size, args.reps, directory) for backend in args.backends
-        ]
+    runs = [measure(backend, args.tensors, nbytes, args.bucket_size, args.reps) for backend in args.backends]
     results = {
         "setup": {"tensors": args.tensors, "nbytes": nbytes, "reps": args.reps, "bucket_size": args.bucket_size},
         "runs": runs,

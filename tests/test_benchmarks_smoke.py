@@ -222,3 +222,32 @@ def test_a_revision_is_measured_beside_this_tree(tmp_path: Path) -> None:
     (new,) = [row for row in result["new"] if row["case"] == "gloo_paired"]
     assert old["gbps"] > 0 and new["gbps"] > 0 and old["x_raw"] > 0 and new["x_raw"] > 0
     assert "| gloo_paired | 4 MiB | 1 |" in (tmp_path / "against.md").read_text()
+
+
+def test_the_small_refit_benchmark_runs_beside_its_floors(tmp_path: Path) -> None:
+    """``python -m benchmarks.small_refit`` in a tiny configuration: per backend, refits and
+    the transport's floor (its bytes and a round trip), each positive, the floor below the
+    refit's whole pipeline."""
+    from benchmarks.small_refit import main
+
+    args = ["--size", "400KB", "--tensors", "8", "--reps", "3", "--out", str(tmp_path)]
+    assert main(args) == 0
+    results = json.loads((tmp_path / "small_refit.json").read_text())
+    assert [run["backend"] for run in results["runs"]] == ["cuda_ipc", "gloo_cpu"]
+    for run in results["runs"]:
+        assert len(run["refit_seconds"]) == len(run["floor_seconds"]) == 3
+        assert 0 < run["floor_median_s"] and 0 < run["refit_median_s"] < 1.0
+    assert "| gloo_cpu |" in (tmp_path / "small_refit.md").read_text()
+
+
+def test_the_slow_link_benchmark_refuses_to_run_without_its_tools(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Where ``ip`` or ``tc`` is missing, ``python -m benchmarks.slow_link`` says which and
+    exits with status 2, having made nothing."""
+    from benchmarks.slow_link import main
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # neither ip nor tc there
+    assert main(["--out", str(tmp_path / "out")]) == 2
+    assert "cannot run here: 'ip' (iproute2) is not on PATH" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
