@@ -233,10 +233,10 @@ def test_the_small_refit_benchmark_runs_beside_its_floors(tmp_path: Path) -> Non
     args = ["--size", "400KB", "--tensors", "8", "--reps", "3", "--out", str(tmp_path)]
     assert main(args) == 0
     results = json.loads((tmp_path / "small_refit.json").read_text())
-    assert [run["backend"] for run in results["runs"]] == ["cuda_ipc", "gloo_cpu"]
-    for run in results["runs"]:
-        assert len(run["refit_seconds"]) == len(run["floor_seconds"]) == 3
-        assert 0 < run["floor_median_s"] and 0 < run["refit_median_s"] < 1.0
+    assert [measured["backend"] for measured in results["runs"]] == ["cuda_ipc", "gloo_cpu"]
+    for measured in results["runs"]:
+        assert len(measured["refit_seconds"]) == len(measured["floor_seconds"]) == 3
+        assert 0 < measured["floor_median_s"] and 0 < measured["refit_median_s"] < 1.0
     assert "| gloo_cpu |" in (tmp_path / "small_refit.md").read_text()
 
 
