@@ -1,6 +1,6 @@
 """Host memory the library keeps between refits, for callers that want it back.
 
-Received host tensors of 1 MiB and up live in mappings that, once freed, wait in a per-process
+Received host tensors of 64 KiB and up live in mappings that, once freed, wait in a per-process
 pool for the next tensor of their size (see ``docs/benchmarks.md``): a refit then reuses memory
 that is already faulted in, at the price of keeping that memory resident between refits. (The
 shared storages behind small tensors have a pool of their own, at most 64 MiB, which

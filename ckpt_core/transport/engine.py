@@ -111,11 +111,12 @@ class BucketedEngine(CheckpointEngine):
       destination of one policy rank must hold the same quantization.
     * ``delta`` (default off): each weight travels as a patch of the elements whose bits
       changed since the last refit its destination completed, where that is fewer bytes than
-      the whole weight (:mod:`ckpt_core.delta_refit`, after quantizing and layouts: patches of
-      what each destination keeps); the receiver hands out whole weights. Each side keeps a
-      copy of every weight it sent or received (kept across ``finalize()``): a rollout reports
-      the version it holds in its ``prepare()`` metadata, and a sender whose destination holds
-      another (a restarted rollout, a failed refit) sends every weight whole.
+      the whole weight and not predicted slower by the sender's model of its own refit times
+      (:mod:`ckpt_core.delta_refit`, :mod:`ckpt_core.delta_choice`; after quantizing and
+      layouts: patches of what each destination keeps); the receiver hands out whole weights.
+      Each side keeps a copy of each weight sent so (kept across ``finalize()``): a rollout
+      reports the version it holds in its ``prepare()`` metadata, and a sender whose
+      destination holds another (a restarted rollout, a failed refit) sends every weight whole.
       ``delta_max_baseline_bytes`` bounds the copies per destination stream: weights past it
       (in the order sent) travel whole, and neither side keeps a copy of them.
     * ``borrow_received_tensors`` (default off): a tensor that arrived whole inside one bucket
@@ -189,8 +190,8 @@ class BucketedEngine(CheckpointEngine):
             "delta",
             False,
             "each weight is sent as a patch of the elements that changed since the refit its "
-            "destination last completed, where fewer bytes (ckpt_core.delta_refit); both sides "
-            "keep a copy of every weight",
+            "destination last completed, where that is fewer bytes and not predicted slower "
+            "(docs/delta.md); both sides keep a copy of each weight sent so",
             agreed=True,
         ),
         Option.custom(
@@ -708,7 +709,7 @@ class BucketedEngine(CheckpointEngine):
 
     async def receive_weight_batches(self) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
         """Yield one refit's ``(name, tensor)`` batches, in the sender's order. Tensors own
-        their memory: no transport buffer is aliased, though small host tensors (64 KiB at
+        their memory: no transport buffer is aliased, though small host tensors (256 KiB at
         most) of one bucket may be views of one shared 1 MiB storage; with
         ``borrow_received_tensors``, whole tensors of a bucket are views of the transport's
         buffer instead, valid until the next batch is asked for. Stopping early voids the refit

@@ -22,8 +22,12 @@ it into receiving, holding (the checks) and installing (vLLM's load of the held 
 the repetitions: ``call`` times vLLM's engine call to its workers alone (``check_health``, which
 does nothing), the floor under both ways; then, with the adapters removed, ``merged`` times
 merging the adapter into the weights (``W + B A alpha / r``, cast to bf16) and a full refit of
-the model. Reported: bytes, medians, and the ratios disk / refit (goal >= 3) and merged / refit.
-Writes ``lora_refit.json`` and ``.md`` into ``--out``; exits 1 unless the goal holds.
+the model. Last, ``transport floor``: the backend's raw transport moving the adapter's bytes
+between two processes, plus one round trip (:func:`ckpt_core.bench.baselines.small_refit_floor`).
+Reported: bytes, medians, the ratios disk / refit and merged / refit, and the refit against
+what it cannot do without, vLLM's call and its own install plus the transport floor (issue 50's
+goal: within 1.3x). Writes ``lora_refit.json`` and ``.md`` into ``--out``; exits 1 unless that
+goal holds.
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ from refit_vs_reload import MODEL, make_model  # noqa: E402
 from scaffold import in_scratch, set_up_process, write_results  # noqa: E402
 
 MIB = 1 << 20
-GOAL = 3.0
+GOAL = 3.0  # disk / refit, issue 35's (not met: what bounds it is below)
+FLOOR_GOAL = 1.3  # refit / (vLLM's call + its install + the transport floor), issue 50's
 IDLE_S = 1.5
 TARGETS = {
     "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -225,10 +230,15 @@ def _run_in(workdir: Path, reps: int, rank: int, bucket_size: int, backend: str)
         trainer.finalize()
         rollout.finalize()
         llm.llm_engine.engine_core.shutdown()
+    from ckpt_core.bench.baselines import small_refit_floor
+
+    floors = small_refit_floor(backend, adapter_bytes_sent(rows), reps)
     median = {key: statistics.median(r[key] for r in rows) for key in ("refit_s", "disk_s")}
     median |= {key: statistics.median(r[key] for r in merged_rows) for key in ("merged_s", "merge_s")}
     median["call_s"] = statistics.median(calls)
+    median["floor_s"] = statistics.median(floors)
     worker = {phase: statistics.median(r["worker_s"][phase] for r in rows) for phase in rows[0]["worker_s"]}
+    bound = median["call_s"] + worker["install"] + median["floor_s"]
     adapter_bytes = rows[-1]["adapter_bytes"]
     return {
         "model_bytes": sum(t.nbytes for t in base.values()),
@@ -241,13 +251,22 @@ def _run_in(workdir: Path, reps: int, rank: int, bucket_size: int, backend: str)
         "reps": rows,
         "merged_reps": merged_rows,
         "call_reps": calls,
+        "floor_reps": floors,
         "median": median,
         "median_worker_s": worker,
         "disk_over_refit": median["disk_s"] / median["refit_s"],
         "merged_over_refit": median["merged_s"] / median["refit_s"],
+        "refit_over_bound": median["refit_s"] / bound,
         "goal": GOAL,
-        "goal_met": median["disk_s"] / median["refit_s"] >= GOAL,
+        "disk_goal_met": median["disk_s"] / median["refit_s"] >= GOAL,
+        "floor_goal": FLOOR_GOAL,
+        "goal_met": median["refit_s"] / bound <= FLOOR_GOAL,
     }
+
+
+def adapter_bytes_sent(rows: list[dict[str, Any]]) -> int:
+    """The adapter's bytes as the refits moved them (every refit moves the same)."""
+    return int(rows[-1]["adapter_bytes"])
 
 
 def payload_bytes(engine: Any) -> int:
@@ -286,7 +305,11 @@ def report_table(r: dict[str, Any]) -> str:
         f"{w['install'] * 1e3:.1f} ms; vLLM's engine call to its worker alone (`check_health`) took "
         f"{m['call_s'] * 1e3:.1f} ms. The goal leaves {m['disk_s'] / GOAL * 1e3:.1f} ms (disk / {GOAL:g}); the call "
         f"and vLLM's install (the same load the disk path runs, from the file) take "
-        f"{(m['call_s'] + w['install']) * 1e3:.1f} ms.\n"
+        f"{(m['call_s'] + w['install']) * 1e3:.1f} ms.\n\n"
+        f"Against what a refit cannot do without: vLLM's call ({m['call_s'] * 1e3:.1f} ms), its install "
+        f"({w['install'] * 1e3:.1f} ms) and the transport floor (the adapter's bytes and a round trip over "
+        f"{r['backend']}'s raw transport, {m['floor_s'] * 1e3:.2f} ms): {r['refit_over_bound']:.2f}x "
+        f"(goal <= {r['floor_goal']}: {'met' if r['goal_met'] else 'missed'}).\n"
     )
 
 
