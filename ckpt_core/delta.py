@@ -159,11 +159,17 @@ _SCREEN_ALL_BELOW = 1 << 16  # elements: a smaller tensor is screened whole
 def sample_ranges(numel: int) -> list[tuple[int, int]]:
     """The ``[start, stop)`` element ranges a screening comparison reads in a tensor of
     ``numel`` elements: :data:`SCREEN_PARTS` ranges of ``numel / SCREEN_PARTS**2`` elements,
-    evenly spread (the whole tensor, below 65536 elements)."""
+    evenly spread (the whole tensor, below 65536 elements). All have one length."""
     if numel < _SCREEN_ALL_BELOW:
         return [(0, numel)]
     length = numel // SCREEN_PARTS**2
     return [(part * numel // SCREEN_PARTS, part * numel // SCREEN_PARTS + length) for part in range(SCREEN_PARTS)]
+
+
+def _sample_starts(numel: int) -> tuple[np.ndarray, int]:
+    """:func:`sample_ranges` as ``(starts, length)``."""
+    ranges = sample_ranges(numel)
+    return np.array([start for start, _ in ranges], dtype=np.int64), ranges[0][1] - ranges[0][0]
 
 
 def take_sample(tensor: torch.Tensor, *, name: str) -> torch.Tensor:
@@ -188,21 +194,20 @@ def fits_sample(sample: torch.Tensor, tensor: torch.Tensor) -> bool:
 def sample_changes(sample: torch.Tensor, tensor: torch.Tensor, *, name: str) -> tuple[int, int]:
     """``(changed, compared)``: the elements of ``tensor``'s screening ranges whose bits differ
     from ``sample`` (made by :func:`take_sample` from an earlier version of it), which is then
-    refreshed to this version in place. A :class:`DeltaError` names ``name`` for a sample of
-    another size or element width."""
-    bits = _bits(tensor, name)
-    ranges = sample_ranges(bits.numel())
-    if sample.dtype != bits.dtype or sample.numel() != sum(stop - start for start, stop in ranges):
+    refreshed to this version in place. A :class:`DeltaError` names ``name`` for a sample that
+    does not fit the tensor (:func:`fits_sample`)."""
+    if not fits_sample(sample, tensor):
         raise DeltaError(
             f"{name}: a sample of {sample.numel()} {sample.dtype} does not fit {tensor.dtype} {list(tensor.shape)}"
         )
+    bits = _bits(tensor, name)
+    if bits.device.type == "cpu":
+        starts, length = _sample_starts(bits.numel())
+        return bitdiff.count_and_refresh(sample.numpy(), bits.numpy(), starts, length), sample.numel()
     changed, at = 0, 0
-    for start, stop in ranges:
+    for start, stop in sample_ranges(bits.numel()):
         held, now = sample[at : at + stop - start], bits[start:stop]
-        if held.device.type == "cpu":
-            changed += bitdiff.count(held.numpy(), now.numpy(), [(0, stop - start)])
-        else:
-            changed += int((held != now).sum())
+        changed += int((held != now).sum())
         held.copy_(now)
         at += stop - start
     return changed, at
@@ -213,7 +218,8 @@ def _sample(old: torch.Tensor, new: torch.Tensor) -> tuple[int, int]:
     ranges = sample_ranges(new.numel())
     compared = sum(stop - start for start, stop in ranges)
     if new.device.type == "cpu":
-        return bitdiff.count(old.numpy(), new.numpy(), ranges), compared
+        starts, length = _sample_starts(new.numel())
+        return bitdiff.count(old.numpy(), new.numpy(), starts, length), compared
     return sum(int((old[start:stop] != new[start:stop]).sum()) for start, stop in ranges), compared
 
 

@@ -10,7 +10,8 @@ by numba (:mod:`ckpt_core._internal.bitdiff_kernels`, imported on first use):
   the comparison has it in cache);
 * :func:`patch`: a patch written into a tensor in place (the overwritten values kept on
   request), its positions checked as it goes;
-* :func:`count`: the changed elements in a few ranges (a screening sample), read only;
+* :func:`count` and :func:`count_and_refresh`: the changed elements in a few ranges (a
+  screening sample), read only, or against a kept copy of them, which is refreshed;
 * :func:`digest`: the leaf digest of a tensor's bytes.
 
 **Leaf digest.** The bytes are cut into leaves of :data:`LEAF_BYTES`; the digest is xxh3_64 of
@@ -84,7 +85,9 @@ def _warm_up() -> None:
             patch(old.copy(), np.array([3], dtype=np.int32), new[3:4], keep=True, with_digest=True)
             patch(old.copy(), np.array([3], dtype=np.int32), new[3:4], keep=False, with_digest=False)
             kernels().scatter(old.copy(), np.array([3], dtype=np.int32), new[3:4])
-            count(old, new, [(0, 64)])
+            starts = np.zeros(1, dtype=np.int64)
+            count(old, new, starts, 64)
+            count_and_refresh(old.copy(), new, starts, 64)
     except Exception:  # noqa: BLE001 - a refit that needs a kernel reports why it cannot load
         pass
 
@@ -281,14 +284,17 @@ def patch(
     return (saved if keep else None), digest_value
 
 
-def count(old: np.ndarray, new: np.ndarray, ranges: list[tuple[int, int]]) -> int:
-    """The elements whose bits differ between ``old`` and ``new`` in each ``[start, stop)`` of
-    ``ranges``, summed (read only, on the calling thread: a screening sample is small)."""
-    compiled = kernels()
-    lanes, head, old_words, new_words = _words(old, new)
-    return sum(
-        compiled.count_changes(old, new, old_words, new_words, head, lanes, start, stop) for start, stop in ranges
-    )
+def count(old: np.ndarray, new: np.ndarray, starts: np.ndarray, length: int) -> int:
+    """The elements whose bits differ between ``old`` and ``new`` (1-D integer arrays of one
+    dtype) in the ranges of ``length`` elements at each of ``starts`` (``int64``), summed: a
+    screening sample, read on the calling thread in one call."""
+    return int(kernels().count_ranges(old, new, starts, length))
+
+
+def count_and_refresh(sample: np.ndarray, new: np.ndarray, starts: np.ndarray, length: int) -> int:
+    """:func:`count` of ``sample`` (those ranges of an earlier ``new``, one after the other)
+    against ``new``; ``sample`` then holds ``new``'s ranges."""
+    return int(kernels().count_refresh(sample, new, starts, length))
 
 
 def digest(data: np.ndarray) -> int:

@@ -148,49 +148,28 @@ def scatter(held: Any, positions: Any, values: Any) -> None:  # pragma: no cover
 
 
 @njit(nogil=True, cache=True, boundscheck=False)
-def count_changes(
-    old: Any, new: Any, old_words: Any, new_words: Any, head: int, lanes: int, start: int, stop: int
-) -> int:  # pragma: no cover
-    """How many elements of ``[start, stop)`` differ between ``old`` and ``new`` (read only).
-    Whole words are compared as words: each lane of their difference folded onto its lowest
-    bit, the lanes summed by one multiplication, with no branch per word (it vectorizes)."""
+def count_ranges(old: Any, new: Any, starts: Any, length: int) -> int:  # pragma: no cover - compiled
+    """How many elements differ between ``old`` and ``new`` in the ranges ``[start, start +
+    length)`` of ``starts`` (read only; the loop has no branch, so it vectorizes)."""
     n = 0
-    if lanes == 1 or stop - start < 2 * lanes:
-        for x in range(start, stop):
-            n += old[x] != new[x]
-        return n
-    first = min(stop, head + max(0, (start - head + lanes - 1) // lanes) * lanes)
-    for x in range(start, first):
-        n += old[x] != new[x]
-    word = (first - head) // lanes
-    end_word = max(word, min(old_words.shape[0], (stop - head) // lanes))
-    old_block, new_block = old_words[word:end_word], new_words[word:end_word]  # indexed from 0: see find_changes
-    total = np.uint64(0)
-    if lanes == 8:
-        for w in range(end_word - word):
-            d = np.uint64(old_block[w] ^ new_block[w])
-            d |= d >> np.uint64(4)
-            d |= d >> np.uint64(2)
-            d |= d >> np.uint64(1)
-            total += ((d & np.uint64(0x0101010101010101)) * np.uint64(0x0101010101010101)) >> np.uint64(56)
-    elif lanes == 4:
-        for w in range(end_word - word):
-            d = np.uint64(old_block[w] ^ new_block[w])
-            d |= d >> np.uint64(8)
-            d |= d >> np.uint64(4)
-            d |= d >> np.uint64(2)
-            d |= d >> np.uint64(1)
-            total += ((d & np.uint64(0x0001000100010001)) * np.uint64(0x0001000100010001)) >> np.uint64(48)
-    else:
-        for w in range(end_word - word):
-            d = np.uint64(old_block[w] ^ new_block[w])
-            d |= d >> np.uint64(16)
-            d |= d >> np.uint64(8)
-            d |= d >> np.uint64(4)
-            d |= d >> np.uint64(2)
-            d |= d >> np.uint64(1)
-            total += ((d & np.uint64(0x0000000100000001)) * np.uint64(0x0000000100000001)) >> np.uint64(32)
-    n += int(total)
-    for x in range(max(first, head + end_word * lanes), stop):
-        n += old[x] != new[x]
+    for r in range(starts.shape[0]):
+        start = starts[r]
+        a, b = old[start : start + length], new[start : start + length]
+        for i in range(length):
+            n += a[i] != b[i]
+    return n
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def count_refresh(sample: Any, new: Any, starts: Any, length: int) -> int:  # pragma: no cover - compiled
+    """:func:`count_ranges` of ``sample`` (the ranges of an older ``new``, one after the other)
+    against ``new``, writing ``new``'s ranges into ``sample`` as it goes."""
+    n = 0
+    for r in range(starts.shape[0]):
+        start = starts[r]
+        held, now = sample[r * length : (r + 1) * length], new[start : start + length]
+        for i in range(length):
+            value = now[i]
+            n += held[i] != value
+            held[i] = value
     return n
