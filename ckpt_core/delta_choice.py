@@ -36,7 +36,7 @@ MIN_EVIDENCE_BYTES = 64 << 20
 """The bytes a refit stream must have sent each way before its model decides."""
 DECAY = 0.7
 """The weight of a refit's measurements against the next refit's."""
-EXPLORE = 0.75
+EXPLORE = 0.5
 """Before a stream has sent weights whole and untracked, a patch predicted to cost this share
 of a tracked whole weight's time (an upper bound on an untracked one's: the first refit of a
 stream also faults in the memory of every copy and received weight) is not trusted to pay: the
