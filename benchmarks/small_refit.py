@@ -2,8 +2,7 @@
 
 A LoRA adapter, or a delta refit of a few changes, is a few MB in a few dozen tensors: its time
 is the refit's fixed cost, not its bytes (issue 50, point 5). Measured here, engines alone, one
-policy process and one rollout process (each with its share of the cores), ``--reps`` times each
-and in turn:
+policy process and one rollout process (each with its share of the cores), ``--reps`` times each:
 
 * **refit**: ``--tensors`` bf16 tensors of ``--size`` bytes in all, ready in the policy's memory,
   sent by ``send_weights`` and received by ``receive_weight_batches`` (each side's coroutine on
@@ -147,7 +146,7 @@ def report(results: dict[str, Any]) -> str:
     setup = results["setup"]
     lines = [
         f"A small refit: {setup['tensors']} bf16 tensors, {setup['nbytes'] / 1e6:.1f} MB, engines alone, 1 -> 1; "
-        f"medians of {setup['reps']} (refit and floor in turn).",
+        f"medians of {setup['reps']} (the floor measured after the refits, in the same run).",
         "",
         "| backend | refit | sender | floor (raw transport + a round trip) | refit / floor | goal |",
         "| --- | --- | --- | --- | --- | --- |",
