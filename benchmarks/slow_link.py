@@ -14,7 +14,10 @@ At each rate: ``--size`` of bf16 weights ready in the policy's memory, sent by `
 of ``--reps`` rounds both policies flip the lowest bit of ``--fraction`` of their elements
 (each element independently), then each refits. The first refit of each pool is whole and
 checked digest by digest, and so is each delta refit (so every one is bit-exact); times are the
-engines' (the longer side's ``RefitStats.seconds``). Beside them, raw Gloo moving the same bytes
+engines' (the longer side's ``RefitStats.seconds``). The first ``--settle`` rounds are what a
+stream pays once, while its sender learns what whole weights cost (it may send them whole once,
+then copy them again: :data:`ckpt_core.delta_choice.EXPLORE`): recorded and reported, but not
+in the medians, which are of the ``--reps`` rounds after them. Beside them, raw Gloo moving the same bytes
 as one tensor over the same link: what the link gives.
 
 It needs root (or ``CAP_NET_ADMIN``), ``ip`` and ``tc`` (iproute2) and network namespaces: where
@@ -193,7 +196,7 @@ def engine_seconds(report: Any) -> tuple[float, int]:
     return max(policy["stats"]["seconds"], rollout["stats"]["seconds"]), int(rollout["stats"]["payload_bytes"])
 
 
-def at_rate(gbit_per_s: float, params: dict[str, Any], fraction: float, reps: int) -> dict[str, Any]:
+def at_rate(gbit_per_s: float, params: dict[str, Any], fraction: float, reps: int, settle: int) -> dict[str, Any]:
     nbytes = 2 * int(params["tensors"]) * int(params["elements"])
     with rate_limited_link(gbit_per_s) as names, contextlib.ExitStack() as stack:
         raw = raw_gloo_seconds(names, nbytes, 3)
@@ -206,7 +209,7 @@ def at_rate(gbit_per_s: float, params: dict[str, Any], fraction: float, reps: in
             coordinator.verify = name == "delta"  # every delta refit checked too
         seconds: dict[str, list[float]] = {"full": [], "delta": []}
         moved: dict[str, list[int]] = {"full": [], "delta": []}
-        for rep in range(reps):
+        for rep in range(settle + reps):
             for coordinator in pools.values():
                 (result,) = coordinator.pool.call([(0, "step", {"fraction": fraction, "seed": 100 + rep})], 600.0)
                 if not result.ok:
@@ -219,18 +222,19 @@ def at_rate(gbit_per_s: float, params: dict[str, Any], fraction: float, reps: in
                 f"{gbit_per_s:g} Gbit/s: full {seconds['full'][-1]:.3f} s, delta {seconds['delta'][-1]:.3f} s",
                 flush=True,
             )
-    full, delta = statistics.median(seconds["full"]), statistics.median(seconds["delta"])
+    full, delta = statistics.median(seconds["full"][settle:]), statistics.median(seconds["delta"][settle:])
     return {
         "gbit_per_s": gbit_per_s,
         "raw_gloo_seconds": raw,
         "raw_gloo_gbit_per_s": nbytes * 8 / raw / 1e9,
+        "settle_rounds": settle,
         "full_seconds": seconds["full"],
         "delta_seconds": seconds["delta"],
         "full_median_s": full,
         "delta_median_s": delta,
         "delta_over_full": delta / full,
-        "full_payload_bytes": statistics.median(moved["full"]),
-        "delta_payload_bytes": statistics.median(moved["delta"]),
+        "full_payload_bytes": statistics.median(moved["full"][settle:]),
+        "delta_payload_bytes": statistics.median(moved["delta"][settle:]),
     }
 
 
@@ -239,7 +243,8 @@ def report(results: dict[str, Any]) -> str:
     lines = [
         "Delta against full refits over a rate-limited veth between two network namespaces (gloo_cpu paired, "
         f"{setup['size'] / 2**20:.0f} MiB of bf16, {setup['fraction']:.0%} changed per refit, medians of "
-        f"{setup['reps']}; every delta refit checked digest by digest).",
+        f"{setup['reps']} after {setup['settle']} rounds that settle the choice; every delta refit checked digest "
+        "by digest).",
         "",
         "| link | raw Gloo, same bytes | full | delta | delta bytes | delta / full | goal |",
         "| --- | --- | --- | --- | --- | --- | --- |",
@@ -254,6 +259,10 @@ def report(results: dict[str, Any]) -> str:
             f"{row['delta_over_full']:.3f} | {verdict} |"
         )
     lines.append("")
+    for row in results["rows"]:
+        settled = ", ".join(f"{s:.3f}" for s in row["delta_seconds"][: row["settle_rounds"]])
+        lines.append(f"Delta refits while settling at {row['gbit_per_s']:g} Gbit/s: {settled} s.")
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -263,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--elements-per-tensor", type=int, default=4096 * 4096)
     parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 10.0], help="Gbit/s")
     parser.add_argument("--fraction", type=float, default=0.01)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--settle", type=int, default=3)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
     try:
@@ -273,9 +283,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tensors = max(1, args.size // (2 * args.elements_per_tensor))
     params = {"seed": 1, "tensors": tensors, "elements": args.elements_per_tensor}
-    rows = [at_rate(rate, params, args.fraction, args.reps) for rate in args.rates]
+    rows = [at_rate(rate, params, args.fraction, args.reps, args.settle) for rate in args.rates]
     results = {
-        "setup": {"size": 2 * tensors * args.elements_per_tensor, "fraction": args.fraction, "reps": args.reps},
+        "setup": {
+            "size": 2 * tensors * args.elements_per_tensor,
+            "fraction": args.fraction,
+            "reps": args.reps,
+            "settle": args.settle,
+        },
         "rows": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -36,11 +36,13 @@ MIN_EVIDENCE_BYTES = 64 << 20
 """The bytes a refit stream must have sent each way before its model decides."""
 DECAY = 0.7
 """The weight of a refit's measurements against the next refit's."""
-EXPLORE = 0.5
+EXPLORE = 0.25
 """Before a stream has sent weights whole and untracked, a patch predicted to cost this share
 of a tracked whole weight's time (an upper bound on an untracked one's: the first refit of a
-stream also faults in the memory of every copy and received weight) is not trusted to pay: the
-weight is released, which measures the untracked time."""
+stream also faults in the memory of every copy and received weight, which made it 3x an
+untracked refit on cuda_ipc, host memory, 1 GiB) is not trusted to pay: the weight is
+released, which measures the untracked time. Over a link 10x slower than memory a patch of 1%
+costs well under this share, and is kept."""
 RETRACK = 0.8
 """A watched weight is tracked again where its patch is predicted to take at most this share
 of its whole time: the margin keeps a weight near the break-even from moving (and being copied)

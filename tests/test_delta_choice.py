@@ -65,8 +65,8 @@ def test_a_slow_wire_keeps_patches_to_a_high_fraction() -> None:
 
 def test_before_any_untracked_refit_a_patch_near_the_tracked_bound_is_released_to_measure() -> None:
     """Only refits of tracked weights (whose time includes their copies) bound the whole cost:
-    a patch predicted at half of that bound or more is released, which measures it."""
-    model = fitted(whole_s_per_gb=None, tracked_s_per_gb=0.6)
+    a patch predicted at a quarter of that bound or more is released, which measures it."""
+    model = fitted(whole_s_per_gb=None, tracked_s_per_gb=1.2)
     assert not model.releases(GB, GB // 2, 0.02)  # 0.25 s < 0.3 s
     assert model.releases(GB, GB // 2, 0.04)  # 0.35 s >= 0.3 s
     assert model.retracks(GB, GB // 2, 0.04)  # no untracked time known: bytes decide
