@@ -21,7 +21,10 @@ Four measurements (issue 50, points 1 and 2; the workload from issue 34):
   refit, in turn. A refit's time is its engines' (from the sender's first weight to the
   receiver's last, the longer of the two sides' ``RefitStats.seconds``); the coordinator's
   wall time beside it adds its calls to the processes. Each pool's first refit is whole and
-  checked digest by digest.
+  checked digest by digest; then ``--settle`` rounds at the first fraction (both pools) are
+  what a stream pays once while its sender learns what whole weights cost
+  (:data:`ckpt_core.delta_choice.EXPLORE`): reported apart, in no median. A later fraction's
+  first refits show how the choice follows a jump in the fraction.
 * **floor**: measured in the delta policy process (its share of the cores, as the refit has it)
   right after each step, over its weights and its copy of the version before: one pass that
   reads both and writes the patch bytes (the comparison alone:
@@ -190,9 +193,13 @@ def timed_refit(coordinator: RefitCoordinator) -> dict[str, Any]:
     }
 
 
-def refits(backend: str, params: dict[str, Any], bucket_size: int, fractions: list[float], reps: int) -> dict[str, Any]:
-    """Full and delta refits side by side at each fraction, with the floor of each step."""
+def refits(
+    backend: str, params: dict[str, Any], bucket_size: int, fractions: list[float], reps: int, settle: int
+) -> dict[str, Any]:
+    """Full and delta refits side by side at each fraction, with the floor of each step, after
+    ``settle`` rounds at the first fraction."""
     rows = []
+    settling: list[dict[str, Any]] = []
     seed = 1000
     with contextlib.ExitStack() as stack:
         pools = {
@@ -202,6 +209,13 @@ def refits(backend: str, params: dict[str, Any], bucket_size: int, fractions: li
         for coordinator in pools.values():  # the first refit: whole, checked digest by digest
             coordinator.refit()
             coordinator.verify = False
+        for _ in range(settle):
+            seed += 1
+            for pool in pools.values():
+                call_policy(pool, "step", fraction=fractions[0], seed=seed)
+            refit = timed_refit(pools["delta"])
+            settling.append({"seconds": refit["seconds"], "choice": choice_of(refit), "fraction": fractions[0]})
+            timed_refit(pools["full"])
         for fraction in fractions:
             samples: dict[str, list[Any]] = {"full": [], "delta": [], "floor": [], "changed": []}
             for _ in range(reps):
@@ -214,7 +228,15 @@ def refits(backend: str, params: dict[str, Any], bucket_size: int, fractions: li
                     samples[name].append(timed_refit(coordinator))
             rows.append(summarize(fraction, samples, params))
             print(f"{backend} at {fraction:.2%}: {brief(rows[-1])}", flush=True)
-    return {"backend": backend, "options": BACKENDS[backend][0], "rows": rows}
+    return {"backend": backend, "options": BACKENDS[backend][0], "settling": settling, "rows": rows}
+
+
+def choice_of(refit: dict[str, Any]) -> dict[str, int]:
+    """How the delta sender sent a refit's weights (its ``RefitStats``)."""
+    return {
+        key: refit["sender"][key]
+        for key in ("patched_tensors", "whole_tensors", "untracked_tensors", "chosen_whole_tensors")
+    }
 
 
 def summarize(fraction: float, samples: dict[str, list[Any]], params: dict[str, Any]) -> dict[str, Any]:
@@ -238,13 +260,7 @@ def summarize(fraction: float, samples: dict[str, list[Any]], params: dict[str, 
         "delta_payload_bytes": int(statistics.median(r["receiver"]["payload_bytes"] for r in delta)),
         "delta_sender_delta_seconds": statistics.median(r["sender"]["delta_seconds"] for r in delta),
         "delta_receiver_delta_seconds": statistics.median(r["receiver"]["delta_seconds"] for r in delta),
-        "choices": [
-            {
-                key: r["sender"][key]
-                for key in ("patched_tensors", "whole_tensors", "untracked_tensors", "chosen_whole_tensors")
-            }
-            for r in delta
-        ],
+        "choices": [choice_of(r) for r in delta],
         "delta_refits_seconds": [r["seconds"] for r in delta],
         "full_refits_seconds": [r["seconds"] for r in full],
         "peak_rss_bytes": {
@@ -410,16 +426,24 @@ def report_table(r: dict[str, Any]) -> str:
         f"{k['apply_ratio_to_copy']:.2f} |",
     ]
     for run in r["refits"]:
+        settled = "; ".join(
+            f"{r['seconds']:.3f} s ({r['choice']['patched_tensors']} / {r['choice']['whole_tensors']} / "
+            f"{r['choice']['untracked_tensors']})"
+            for r in run.get("settling", [])
+        )
         lines += [
             "",
             f"## Refits: {run['backend']} {run['options']}",
+            "",
+            f"While the choice settled (delta refits at {setup['fractions'][0]:.2%}, in no median; patched / whole / "
+            f"untracked): {settled or 'none'}.",
             "",
             "| changed | full | delta | delta / full | floor | delta / floor | delta bytes | choices (patched / "
             "whole / untracked, of them chosen) |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for row in run["rows"]:
-            choice = row["choices"][-1]
+            choice = row["choices"][-1]  # the choice it settled on
             lines.append(
                 f"| {row['changed_fraction']:.2%} | {row['full_seconds']:.3f} s | {row['delta_seconds']:.3f} s | "
                 f"{row['delta_over_full']:.2f} | {row['floor_seconds']:.3f} s | {row['delta_over_floor']:.2f} | "
@@ -453,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.001, 0.01, 0.05, 0.1, 0.2, 0.3, 0.4])
     parser.add_argument("--bucket-size", type=parse_size, default=32 << 20)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--settle", type=int, default=4)
     parser.add_argument("--workload-hidden", type=int, default=1024)
     parser.add_argument("--workload-layers", type=int, default=4)
     parser.add_argument("--workload-steps", type=int, default=5)
@@ -468,11 +493,15 @@ def main(argv: list[str] | None = None) -> int:
             "tensors": tensors,
             "bucket_size": args.bucket_size,
             "reps": args.reps,
+            "settle": args.settle,
             "fractions": args.fractions,
         },
         "workload": workload(args.workload_hidden, args.workload_layers, args.lrs, args.workload_steps),
         "kernels": kernels(args.kernel_size // 2, 0.01),
-        "refits": [refits(backend, params, args.bucket_size, args.fractions, args.reps) for backend in args.backends],
+        "refits": [
+            refits(backend, params, args.bucket_size, args.fractions, args.reps, args.settle)
+            for backend in args.backends
+        ],
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "delta.json").write_text(json.dumps(results, indent=2) + "\n")

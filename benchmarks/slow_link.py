@@ -15,8 +15,8 @@ of ``--reps`` rounds both policies flip the lowest bit of ``--fraction`` of thei
 (each element independently), then each refits. The first refit of each pool is whole and
 checked digest by digest, and so is each delta refit (so every one is bit-exact); times are the
 engines' (the longer side's ``RefitStats.seconds``). The first ``--settle`` rounds are what a
-stream pays once, while its sender learns what whole weights cost (it may send them whole once,
-then copy them again: :data:`ckpt_core.delta_choice.EXPLORE`): recorded and reported, but not
+stream pays once, while its sender learns what whole weights cost (it may send them whole,
+measure that, and copy them again: :data:`ckpt_core.delta_choice.EXPLORE`): recorded and reported, but not
 in the medians, which are of the ``--reps`` rounds after them. Beside them, raw Gloo moving the same bytes
 as one tensor over the same link: what the link gives.
 
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 10.0], help="Gbit/s")
     parser.add_argument("--fraction", type=float, default=0.01)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--settle", type=int, default=3)
+    parser.add_argument("--settle", type=int, default=4)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
     try:

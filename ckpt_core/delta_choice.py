@@ -37,12 +37,13 @@ MIN_EVIDENCE_BYTES = 64 << 20
 DECAY = 0.7
 """The weight of a refit's measurements against the next refit's."""
 EXPLORE = 0.25
-"""Before a stream has sent weights whole and untracked, a patch predicted to cost this share
-of a tracked whole weight's time (an upper bound on an untracked one's: the first refit of a
-stream also faults in the memory of every copy and received weight, which made it 3x an
-untracked refit on cuda_ipc, host memory, 1 GiB) is not trusted to pay: the weight is
-released, which measures the untracked time. Over a link 10x slower than memory a patch of 1%
-costs well under this share, and is kept."""
+"""Until a stream has sent weights whole and untracked, a weight's whole time is taken as this
+share of a tracked one's (an upper bound on an untracked one's: the first refit of a stream
+also faults in the memory of every copy and received weight, which made it 3x an untracked
+refit on cuda_ipc, host memory, 1 GiB): a patch predicted to cost more is released, which
+measures the untracked time, and is tracked again only once that is known (or its patch
+became cheaper). Over a link 10x slower than memory a patch of 1% costs well under this
+share, and is kept."""
 RETRACK = 0.8
 """A watched weight is tracked again where its patch is predicted to take at most this share
 of its whole time: the margin keeps a weight near the break-even from moving (and being copied)
@@ -99,10 +100,10 @@ class CostModel:
     with), or, until there is such a refit, from refits of weights sent whole and tracked
     (their copies included: an upper bound); the patched part from refits of patches.
 
-    With no refit of untracked weights yet, a patch predicted to cost at least
-    :data:`EXPLORE` of that upper bound is not trusted to pay: the weight goes whole and
-    untracked, which measures the whole part (the first refit of a stream copies every weight
-    and faults its memory in: its time says little of a refit that does not).
+    With no refit of untracked weights yet, a weight's whole time is taken as :data:`EXPLORE`
+    of that upper bound: a patch predicted to cost more goes whole and untracked, which
+    measures the whole part (the first refit of a stream copies every weight and faults its
+    memory in: its time says little of a refit that does not).
     ``per_byte_whole``, ``per_byte_patched`` (seconds per byte) and ``per_changed`` (seconds
     per element) are the fitted costs, ``None`` until measured."""
 
@@ -178,25 +179,27 @@ class CostModel:
     def releases(self, nbytes: int, numel: int, fraction: float) -> bool:
         """Whether a tracked weight of ``nbytes`` and ``numel`` elements, of which ``fraction``
         changed at its last comparison, is to be released and watched: predicted to take no
-        longer whole than as a patch, or, before any weight of the stream went whole and
-        untracked, its patch predicted to cost :data:`EXPLORE` of a tracked one (``False``
-        without evidence of patches)."""
-        patch = self._patch_seconds(nbytes, numel, fraction)
-        if patch is None:
-            return False
-        untracked = self._whole_rate("untracked")
-        if untracked is not None:
-            return bool(untracked * nbytes <= patch)
-        tracked = self._whole_rate("tracked")
-        return tracked is not None and bool(patch >= EXPLORE * tracked * nbytes)
+        longer whole (:meth:`_whole_seconds`) than as a patch (``False`` until both are known:
+        the choice is then by bytes)."""
+        patch, whole = self._patch_seconds(nbytes, numel, fraction), self._whole_seconds(nbytes)
+        return patch is not None and whole is not None and bool(whole <= patch)
 
     def retracks(self, nbytes: int, numel: int, fraction: float) -> bool:
         """Whether a watched weight whose patch would be fewer bytes (``fraction`` of it changed
         since the last refit, by its sample) is to be tracked again: its patch predicted to
-        take at most :data:`RETRACK` of its untracked whole time (``True`` until both are
-        known: the choice is then by bytes)."""
-        patch, untracked = self._patch_seconds(nbytes, numel, fraction), self._whole_rate("untracked")
-        return patch is None or untracked is None or bool(patch <= RETRACK * untracked * nbytes)
+        take at most :data:`RETRACK` of its whole time (:meth:`_whole_seconds`; ``True`` until
+        both are known: the choice is then by bytes)."""
+        patch, whole = self._patch_seconds(nbytes, numel, fraction), self._whole_seconds(nbytes)
+        return patch is None or whole is None or bool(patch <= RETRACK * whole)
+
+    def _whole_seconds(self, nbytes: int) -> float | None:
+        """``nbytes`` sent whole and untracked: at the untracked rate, or, with none measured
+        yet, at :data:`EXPLORE` of the tracked rate (``None`` with neither)."""
+        untracked = self._whole_rate("untracked")
+        if untracked is not None:
+            return untracked * nbytes
+        tracked = self._whole_rate("tracked")
+        return None if tracked is None else EXPLORE * tracked * nbytes
 
     def _patch_seconds(self, nbytes: int, numel: int, fraction: float) -> float | None:
         fit = self._patched_fit()

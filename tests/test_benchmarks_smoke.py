@@ -192,7 +192,19 @@ def test_the_delta_refit_benchmark_runs_side_by_side(tmp_path: Path) -> None:
     with the floor beside them: at 1% the delta refit moves patches, at 50% every byte."""
     from benchmarks.delta import main
 
-    args = ["--size", "4MiB", "--elements-per-tensor", "262144", "--reps", "1", "--fractions", "0.01", "0.5"]
+    args = [
+        "--size",
+        "4MiB",
+        "--elements-per-tensor",
+        "262144",
+        "--reps",
+        "1",
+        "--settle",
+        "1",
+        "--fractions",
+        "0.01",
+        "0.5",
+    ]
     args += ["--backends", "gloo_cpu", "--workload-hidden", "32", "--workload-layers", "1", "--workload-steps", "2"]
     assert main([*args, "--kernel-size", "256KiB", "--bucket-size", "1MiB", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "delta.json").read_text())
@@ -207,7 +219,9 @@ def test_the_delta_refit_benchmark_runs_side_by_side(tmp_path: Path) -> None:
     assert all(0 < f < 1 for row in results["workload"] for f in row["changed_fraction_per_step"])
     assert results["kernels"]["diff_ratio_to_copy"] > 0 and results["kernels"]["apply_ratio_to_copy"] > 0
     table = (tmp_path / "delta.md").read_text()
-    assert "## Refits: gloo_cpu" in table and "## Goals" in table
+    (settling,) = run["settling"]  # a round at the first fraction, apart from the medians
+    assert settling["fraction"] == 0.01 and settling["choice"]["patched_tensors"] > 0
+    assert "## Refits: gloo_cpu" in table and "## Goals" in table and "While the choice settled" in table
 
 
 def test_a_revision_is_measured_beside_this_tree(tmp_path: Path) -> None:

@@ -64,12 +64,17 @@ def test_a_slow_wire_keeps_patches_to_a_high_fraction() -> None:
 
 
 def test_before_any_untracked_refit_a_patch_near_the_tracked_bound_is_released_to_measure() -> None:
-    """Only refits of tracked weights (whose time includes their copies) bound the whole cost:
-    a patch predicted at a quarter of that bound or more is released, which measures it."""
+    """Only refits of tracked weights (whose time includes their first refit's faults) bound
+    the whole cost: a patch predicted at a quarter of that bound or more is released, which
+    measures it; the weight released is not tracked again before then, unless its patch
+    became cheaper (at most 0.8 of that quarter)."""
     model = fitted(whole_s_per_gb=None, tracked_s_per_gb=1.2)
     assert not model.releases(GB, GB // 2, 0.02)  # 0.25 s < 0.3 s
     assert model.releases(GB, GB // 2, 0.04)  # 0.35 s >= 0.3 s
-    assert model.retracks(GB, GB // 2, 0.04)  # no untracked time known: bytes decide
+    assert not model.retracks(GB, GB // 2, 0.04)  # waits for the untracked time
+    assert model.retracks(GB, GB // 2, 0.01)  # 0.2 s <= 0.24 s
+    model.add(RefitCosts(0.18, 0, GB, 0, 0))  # measured: 0.18 s/GB untracked, under the patch
+    assert not model.retracks(GB, GB // 2, 0.01) and model.releases(GB, GB // 2, 0.01)
 
 
 def test_each_kind_is_learnt_from_its_own_refits_and_not_forgotten() -> None:
