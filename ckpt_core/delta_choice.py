@@ -86,9 +86,11 @@ class RefitCosts:
     patched_bytes: int
     changed_elements: int
     released_bytes: int = 0
-    """Of the weights sent whole and not kept, those the receiver held until this refit: it
-    receives them into fresh memory while it still holds their copies (it may need them back
-    until the refit completes), which a refit of weights it no longer holds does not pay."""
+    """Of the weights sent whole and not kept, those both sides held copies of until this
+    refit: it frees those copies (at the manifest, or, for a weight whose comparison found no
+    patch of fewer bytes, the receiver receives it into fresh memory while still holding its
+    copy), which a refit of weights neither side holds does not pay (on cuda_ipc, host
+    memory, 1 GiB: 0.27 s for the refit that released them, 0.18 s for the next)."""
 
 
 class CostModel:

@@ -141,7 +141,8 @@ class _Pending:
         self, name: str, tensor: torch.Tensor, stats: RefitStats, *, chosen: bool, released: bool = False
     ) -> tuple[str, torch.Tensor]:
         """The entry of a weight sent whole with no copy kept (``chosen``: by the choice, not
-        the bound; ``released``: the destination held a copy until now), counted."""
+        the bound; ``released``: the destination held a copy until this refit, which frees it:
+        the refit's time is not a steady one's), counted."""
         nbytes = tensor.numel() * tensor.element_size()
         stats.untracked_tensors += 1
         stats.chosen_whole_tensors += chosen
@@ -226,7 +227,7 @@ class DeltaSender:
             history = self._history.setdefault(name, WeightHistory())
             if name in released:
                 history.sample = take_sample(tensor, name=name)
-                yield pending.untracked(name, tensor, stats, chosen=True)
+                yield pending.untracked(name, tensor, stats, chosen=True, released=True)
                 continue
             if old is None or not _comparable(old, tensor):
                 if history.watched and self._stays_watched(name, tensor, history):
