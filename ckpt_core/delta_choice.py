@@ -100,7 +100,8 @@ class CostModel:
     known of one kind is kept, not forgotten, while a stream sends only another: the whole
     part from refits of weights sent whole and untracked (what the choice compares a patch
     with), or, until there is such a refit, from refits of weights sent whole and tracked
-    (their copies included: an upper bound); the patched part from refits of patches.
+    (the first refit's page faults included: an upper bound); the patched part from refits
+    of patches.
 
     With no refit of untracked weights yet, a weight's whole time is taken as :data:`EXPLORE`
     of that upper bound: a patch predicted to cost more goes whole and untracked, which
