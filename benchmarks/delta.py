@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import statistics
 import sys
 import time
@@ -62,6 +61,7 @@ from ckpt_core.orchestration.worker import RefitWorker, refit_worker_specs
 from ckpt_core.testing.weights import Weights
 
 from .methods import worker_env
+from .outputs import write_results
 
 HERE = Path(__file__).resolve().parent
 ELEMENTS_PER_TENSOR = 4096 * 4096  # 32 MiB of bf16: a 4096 x 4096 projection
@@ -503,10 +503,8 @@ def main(argv: list[str] | None = None) -> int:
             for backend in args.backends
         ],
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "delta.json").write_text(json.dumps(results, indent=2) + "\n")
     table = report_table(results)
-    (args.out / "delta.md").write_text(table)
+    write_results(args.out, "delta", results, table)
     print(table)
     return 0
 

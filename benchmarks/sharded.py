@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ from ckpt_core.orchestration.worker import refit_worker_specs
 from ckpt_core.testing.weights import Weights, tiny_moe, tiny_moe_layout
 
 from .methods import worker_env
+from .outputs import write_results
 
 HERE = Path(__file__).resolve().parent
 TP = 2
@@ -179,11 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         "vocab": args.vocab,
     }
     results = run(params, args.bucket_size, args.reps, args.topology)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"sharded_{args.topology}"
-    (args.out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     table = report_table(results)
-    (args.out / f"{stem}.md").write_text(table)
+    write_results(args.out, f"sharded_{args.topology}", results, table)
     print(table)
     return 0
 

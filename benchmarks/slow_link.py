@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import json
 import os
 import shutil
 import statistics
@@ -51,6 +50,7 @@ from ckpt_core.orchestration.worker import RefitWorker, refit_worker_specs
 
 from .delta import SteppingPolicy
 from .methods import worker_env
+from .outputs import write_results
 
 HERE = Path(__file__).resolve().parent
 GOALS = {1.0: 0.15, 10.0: 0.4}  # Gbit/s -> delta / full at 1% changed
@@ -293,10 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rows": rows,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "slow_link.json").write_text(json.dumps(results, indent=2) + "\n")
     table = report(results)
-    (args.out / "slow_link.md").write_text(table)
+    write_results(args.out, "slow_link", results, table)
     print(table)
     return 0
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import statistics
 import sys
 import time
@@ -44,6 +43,7 @@ from ckpt_core.orchestration.worker import RefitWorker, refit_worker_specs
 from ckpt_core.testing.weights import Weights
 
 from .methods import worker_env
+from .outputs import write_results
 
 HERE = Path(__file__).resolve().parent
 BACKENDS = {  # backend -> (engine options, coordinator topology)
@@ -178,10 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         "setup": {"tensors": args.tensors, "nbytes": nbytes, "reps": args.reps, "bucket_size": args.bucket_size},
         "runs": runs,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "small_refit.json").write_text(json.dumps(results, indent=2) + "\n")
     table = report(results)
-    (args.out / "small_refit.md").write_text(table)
+    write_results(args.out, "small_refit", results, table)
     print(table)
     return 0
 
