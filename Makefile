@@ -13,7 +13,7 @@ $(STAMP): requirements-lock.txt requirements-dev.txt pyproject.toml plugins/*/py
 	touch $(STAMP)
 
 ## Re-pin requirements-lock.txt (what `venv` installs) after changing requirements-dev.txt or a
-## pyproject.toml's dependencies; tests/test_lock.py fails on a lock that no longer covers them.
+## pyproject.toml's dependencies; tests/repository/test_lock.py fails on a lock that no longer covers them.
 lock:
 	bash scripts/venv.sh lock $(PYTHON)
 

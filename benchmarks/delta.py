@@ -8,7 +8,7 @@ Four measurements (issue 50, points 1 and 2; the workload from issue 34):
   each step; the fraction of bf16 elements whose bits changed from the step before is reported.
 * **kernels**: on ``--kernel-size`` of bf16 (1% changed), in this process with torch's threads
   (every core by default), best of 5 each: a copy of the tensor into warm memory (the memcpy);
-  the sender's diff (:func:`ckpt_core.delta.compare`: compare, lay the patch out, patch the
+  the sender's diff (:func:`ckpt_core.refit.delta.compare`: compare, lay the patch out, patch the
   baseline in place and hash the new version, one pass); the receiver's apply (decode the
   patch, patch its copy and hash it, one pass). Goal: each at least 0.6x the memcpy's speed
   (the memcpy's time over its own), for the same tensor.
@@ -23,7 +23,7 @@ Four measurements (issue 50, points 1 and 2; the workload from issue 34):
   wall time beside it adds its calls to the processes. Each pool's first refit is whole and
   checked digest by digest; then ``--settle`` rounds at the first fraction (both pools) are
   what a stream pays once while its sender learns what whole weights cost
-  (:data:`ckpt_core.delta_choice.EXPLORE`): reported apart, in no median. A later fraction's
+  (:data:`ckpt_core.refit.delta.choice.EXPLORE`): reported apart, in no median. A later fraction's
   first refits show how the choice follows a jump in the fraction.
 * **floor**: measured in the delta policy process (its share of the cores, as the refit has it)
   right after each step, over its weights and its copy of the version before: one pass that
@@ -54,10 +54,10 @@ import torch
 
 from ckpt_core._internal import bitdiff
 from ckpt_core.cli import parse_size
-from ckpt_core.delta import Patch, apply, apply_and_digest, compare, decode
 from ckpt_core.orchestration.coordinator import RefitCoordinator
 from ckpt_core.orchestration.local import LocalProcessPool
 from ckpt_core.orchestration.worker import RefitWorker, refit_worker_specs
+from ckpt_core.refit.delta import Patch, apply, apply_and_digest, compare, decode
 from ckpt_core.testing.weights import Weights
 
 from .methods import worker_env
@@ -188,8 +188,8 @@ def timed_refit(coordinator: RefitCoordinator) -> dict[str, Any]:
         "wall_seconds": wall,
         "sender": sent,
         "receiver": got,
-        "policy_peak_rss_bytes": int(policy["peak_rss_bytes"]),
-        "rollout_peak_rss_bytes": int(rollout["peak_rss_bytes"]),
+        "policy_lifetime_peak_rss_bytes": int(policy["lifetime_peak_rss_bytes"]),
+        "rollout_lifetime_peak_rss_bytes": int(rollout["lifetime_peak_rss_bytes"]),
     }
 
 
@@ -263,8 +263,9 @@ def summarize(fraction: float, samples: dict[str, list[Any]], params: dict[str, 
         "choices": [choice_of(r) for r in delta],
         "delta_refits_seconds": [r["seconds"] for r in delta],
         "full_refits_seconds": [r["seconds"] for r in full],
-        "peak_rss_bytes": {
-            name: max(max(r["policy_peak_rss_bytes"], r["rollout_peak_rss_bytes"]) for r in runs)
+        # Each mode's processes since they started (the rows before this one included).
+        "lifetime_peak_rss_bytes": {
+            name: max(max(r["policy_lifetime_peak_rss_bytes"], r["rollout_lifetime_peak_rss_bytes"]) for r in runs)
             for name, runs in (("full", full), ("delta", delta))
         },
     }

@@ -59,7 +59,7 @@ def produced(payload: Payload, mode: str) -> Payload:
 def _with_size(payload: Payload, layout: list[dict[str, Any]]) -> Payload:
     import torch
 
-    from ckpt_core._internal.dtypes import dtype_from_name
+    from ckpt_core.tensors import dtype_from_name
 
     nbytes = sum(torch.Size(e["shape"]).numel() * dtype_from_name(e["dtype"]).itemsize for e in layout)
     return Payload(**{**payload.to_dict(), "payload_bytes": nbytes})

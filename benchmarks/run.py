@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 
+from ckpt_core.rss import reset_peak_rss
+
 from .harness import CaseRecord, Phase, run_phase, stderr_log
 from .methods import FloorMethod, MemcpyMethod, Method, NaiveMethod, RefitMethod
-from .peak_rss import reset_peak_rss
 from .per_tensor_floor import view_floor_seconds
 from .report import (
     PER_TENSOR_GROUP,

@@ -6,9 +6,10 @@ of the machine, so "sender started" and "last receiver finished" of different pr
 subtract into an end-to-end time. Every service also reports the CPU time its process spent in
 the call (all threads), and its
 resident memory: at
-construction (``rss_base_bytes``: interpreter and libraries, before any buffer or weight) and its
-peak during the call (``rss_peak_bytes``; the high-water mark is reset first, see
-:mod:`benchmarks.peak_rss`).
+construction (``rss_base_bytes``: interpreter and libraries, before any buffer or weight), at
+the call's start (``rss_before_bytes``) and its peak during the call (``rss_peak_bytes``: the
+peak since a reset at the call's start, :func:`ckpt_core.rss.peak_rss_bytes`; a machine whose
+kernel refuses the reset cannot run the benchmark).
 """
 
 from __future__ import annotations
@@ -21,13 +22,12 @@ from typing import Any
 import torch
 
 from ckpt_core import hooks
-from ckpt_core._internal.dtypes import dtype_from_name, dtype_name
 from ckpt_core.bench.baselines import RawGlooWorker
 from ckpt_core.hookspecs import hookimpl
 from ckpt_core.orchestration.worker import RefitWorker
 from ckpt_core.orchestration.workload import load_target
-
-from .peak_rss import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from ckpt_core.rss import peak_rss_bytes, reset_peak_rss, rss_bytes
+from ckpt_core.tensors import dtype_from_name, dtype_name
 
 NAIVE_FORMATS = ("torch", "safetensors")
 
@@ -44,14 +44,17 @@ class _Measured:
     """Memory bookkeeping shared by the services: base RSS, and a per-call peak."""
 
     def __init__(self) -> None:
-        self.rss_base_bytes = current_rss_bytes()
+        self.rss_base_bytes = rss_bytes()
 
     def _begin(self) -> dict[str, Any]:
-        reset = reset_peak_rss()
+        if not reset_peak_rss():
+            raise RuntimeError(
+                "the benchmark measures each call's peak RSS, and this kernel refuses to reset it "
+                "(/proc/self/clear_refs, Linux >= 4.0)"
+            )
         return {
             "rss_base_bytes": self.rss_base_bytes,
-            "rss_before_bytes": current_rss_bytes(),
-            "peak_is_per_call": reset,
+            "rss_before_bytes": rss_bytes(),
             "cpu_seconds": time.process_time(),
         }
 

@@ -6,7 +6,7 @@ one (``fanout``: one trainer, a stream of its own to each rollout rank). The wei
 are a mixture-of-experts decoder (:func:`ckpt_core.testing.weights.tiny_moe`, sized by
 ``--hidden``/``--experts``/``--layers``), ready in each policy process's memory. Two pools run
 at once, refits alternating: *full*, every rollout rank receiving every tensor, and
-*sharded*, each rank publishing a destination layout (:mod:`ckpt_core.layout`: attention split
+*sharded*, each rank publishing a destination layout (:mod:`ckpt_core.refit.layout`: attention split
 by tensor parallelism, experts owned whole by one rank, the rest replicated) so that its sender
 moves only what it keeps. Each refit is checked tensor by tensor (digests) once, before timing.
 
@@ -28,10 +28,10 @@ from typing import Any
 import torch
 
 from ckpt_core.cli import parse_size
-from ckpt_core.layout import WeightLayout
 from ckpt_core.orchestration.coordinator import RefitCoordinator
 from ckpt_core.orchestration.local import LocalProcessPool
 from ckpt_core.orchestration.worker import refit_worker_specs
+from ckpt_core.refit.layout import WeightLayout
 from ckpt_core.testing.weights import Weights, tiny_moe, tiny_moe_layout
 
 from .methods import worker_env

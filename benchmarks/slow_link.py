@@ -16,7 +16,7 @@ of ``--reps`` rounds both policies flip the lowest bit of ``--fraction`` of thei
 checked digest by digest, and so is each delta refit (so every one is bit-exact); times are the
 engines' (the longer side's ``RefitStats.seconds``). The first ``--settle`` rounds are what a
 stream pays once, while its sender learns what whole weights cost (it may send them whole,
-measure that, and copy them again: :data:`ckpt_core.delta_choice.EXPLORE`): recorded and reported, but not
+measure that, and copy them again: :data:`ckpt_core.refit.delta.choice.EXPLORE`): recorded and reported, but not
 in the medians, which are of the ``--reps`` rounds after them. Beside them, raw Gloo moving the same bytes
 as one tensor over the same link: what the link gives.
 

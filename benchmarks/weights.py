@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ckpt_core._internal.dtypes import dtype_from_name, dtype_name
 from ckpt_core.bench.synthetic import transformer_shapes
+from ckpt_core.tensors import dtype_from_name, dtype_name
 
 MANIFEST = "manifest.json"
 Weights = tuple[tuple[str, torch.Tensor], ...]

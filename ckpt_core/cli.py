@@ -261,7 +261,7 @@ def format_bench(result: dict[str, Any]) -> str:
                 f"{entry['transfer_seconds']:.3f}",
                 f"{entry['unpack_seconds']:.3f}",
                 f"{entry['checksum_seconds']:.3f}",
-                f"{entry['peak_rss_bytes'] / 2**20:.0f}",
+                f"{entry['lifetime_peak_rss_bytes'] / 2**20:.0f}",
             )
         )
     lines = [head, _table(rows)]

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ckpt_core._internal.dtypes import dtype_from_name, dtype_name
 from ckpt_core.errors import LayoutUnavailableError, WireFormatError
+from ckpt_core.tensors import dtype_from_name, dtype_name
 
 __all__ = ["MAX_TENSOR_BYTES", "CheckpointEngine", "TensorMeta", "checked_meta", "tensor_geometry"]
 

@@ -40,7 +40,7 @@ class InvalidArgumentError(CheckpointEngineError, ValueError):
 
 
 class WeightLayoutError(InvalidArgumentError):
-    """A destination layout (``ckpt_core.layout``) is malformed, does not cover every weight,
+    """A destination layout (``ckpt_core.refit.layout``) is malformed, does not cover every weight,
     or does not fit the weights the sender yields (a layout of another model)."""
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import pluggy
 
 from ckpt_core import hookspecs
-from ckpt_core._internal.blocklist import blocked_plugins
+from ckpt_core.blocklist import blocked_plugins
 from ckpt_core.errors import HookValidationError
 from ckpt_core.stats import RefitContext, RefitStats, Role
 

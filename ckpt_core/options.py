@@ -19,6 +19,7 @@ import dataclasses
 import difflib
 import enum
 import math
+import textwrap
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -432,3 +433,17 @@ def schema_of(engine_class: type) -> OptionSchema | None:
     that declares none (a plain ``CheckpointEngine``): its constructor then checks its own."""
     schema = getattr(engine_class, "options", None)
     return schema if isinstance(schema, OptionSchema) else None
+
+
+def document_options(cls: type[Any]) -> None:
+    """Append the options ``cls`` takes, generated from its schema, to its docstring (so
+    ``help()`` and API docs list exactly what the constructor accepts)."""
+    doc = cls.__dict__.get("__doc__") or ""
+    marker = "Options (generated from"
+    if marker in doc:
+        doc = doc[: doc.index(marker)]
+    doc = doc.rstrip()
+    body = [line for line in doc.splitlines()[1:] if line.strip()]
+    indent = min((len(line) - len(line.lstrip()) for line in body), default=0)
+    generated = textwrap.indent(cls.options.docstring(), " " * indent)
+    cls.__doc__ = f"{doc}\n\n{generated}\n" if doc else generated

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
-from ckpt_core._internal.blocklist import BLOCK_ENV, blocked_plugins
+from ckpt_core.blocklist import BLOCK_ENV, blocked_plugins
 from ckpt_core.contract import CheckpointEngine
 from ckpt_core.errors import (
     BackendImportError,

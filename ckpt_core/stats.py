@@ -60,14 +60,14 @@ class RefitStats:
     chosen_whole_tensors: int = 0
     """Delta refits, sender: of ``untracked_tensors``, those the choice sent whole: no patch of
     them can be fewer bytes, or theirs was found no fewer bytes or predicted slower than the
-    whole weight (by the costs below), or they rest since it was (ckpt_core.delta_choice)."""
+    whole weight (by the costs below), or they rest since it was (ckpt_core.refit.delta.choice)."""
     delta_seconds: float = 0.0
     """Delta refits: the sender's time comparing weights with its copies (patching them and
     hashing the new weights in the same pass); the receiver's, patching and checking."""
     delta_whole_gbps: float = 0.0
     """Delta refits, sender: what the choice between patches and whole weights expected of a
     weight sent whole, in GB/s of its bytes, from this stream's refit times so far
-    (:mod:`ckpt_core.delta_choice`; 0.0 until measured). Combined over streams: the highest."""
+    (:mod:`ckpt_core.refit.delta.choice`; 0.0 until measured). Combined over streams: the highest."""
     delta_patched_gbps: float = 0.0
     """Delta refits, sender: the same for a weight sent as a patch, before its changed
     elements' cost."""

@@ -39,8 +39,8 @@ CALL_TIMEOUT_S = 300.0
 
 def vllm_serve(model: str, tp: int, log_path: str) -> contextlib.AbstractContextManager[str]:
     """``vllm serve model`` on a free loopback port, the ckpt backend selected; its URL once
-    ``/health`` answers (ckpt-vllm's launcher: :mod:`ckpt_vllm.serve`)."""
-    from ckpt_vllm.serve import local_vllm_serve
+    ``/health`` answers (ckpt-vllm's launcher: :mod:`ckpt_vllm.devtools.serve`)."""
+    from ckpt_vllm.devtools.serve import local_vllm_serve
 
     env = {  # vLLM's CPU build reads these two
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),  # GiB
@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
 
-    from ckpt_vllm.trainer import CkptTrainerInitInfo  # importing it registers the "ckpt" backend
+    # Importing it registers the "ckpt" backend with vLLM's trainer factory.
+    from ckpt_vllm.weight_transfer.trainer_engine import CkptTrainerInitInfo
 
     workdir = tempfile.mkdtemp(prefix="vllm_serve_rl_loop_")
     start, final = os.path.join(workdir, "start"), os.path.join(workdir, "final")

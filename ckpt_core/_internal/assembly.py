@@ -28,10 +28,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ckpt_core._internal.dtypes import dtype_name
 from ckpt_core._internal.host_alloc import empty_host, empty_host_storage
 from ckpt_core.contract import TensorMeta
 from ckpt_core.errors import ChunkStreamError, OutOfMemoryError
+from ckpt_core.tensors import dtype_name
 
 
 class Landing:

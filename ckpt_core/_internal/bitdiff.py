@@ -1,6 +1,6 @@
 """Bitwise diffs, patches and digests of host memory at memory speed: delta refits' inner loops.
 
-:mod:`ckpt_core.delta` views a host tensor's elements as integers of their width and hands
+:mod:`ckpt_core.refit.delta` views a host tensor's elements as integers of their width and hands
 them here as 1-D numpy arrays. Each function reads or writes every byte it must once, in
 parallel parts over the usable cores (:mod:`ckpt_core._internal.parallel`), with loops compiled
 by numba (:mod:`ckpt_core._internal.bitdiff_kernels`, imported on first use):

@@ -35,7 +35,7 @@ def find_changes(
     saved: Any,
     count: int,
     capacity: int,
-) -> int:  # pragma: no cover - compiled; run by tests/test_delta.py
+) -> int:  # pragma: no cover - compiled; run by tests/refit_kinds/test_delta.py
     """Append each element of ``[start, stop)`` whose bits differ between ``old`` and ``new``:
     its index to ``positions`` and its new bits to ``values``, from entry ``count`` on, in
     ascending order. Returns the new count; once it would pass ``capacity``, ``-1 - n`` for

@@ -2,23 +2,24 @@
 
 Where a transport reaches each destination separately (``_connect_policy`` returned a sender
 per rollout rank), every destination gets its own refit: its own buckets, carrying what its
-layout keeps. The weights generator is still consumed once, on the calling thread (the
-engine's refit thread, which carries the caller's CUDA device): a dispatcher there hands each
-weight's selection to every destination's stream through a bounded queue, and each stream
-runs the ordinary (blocking) :func:`~ckpt_core._internal.pipeline.send_refit` on a thread of
-its own, so the streams progress together and a slow destination holds back only the
-dispatcher's next hand-over.
+refit stages make of the weights (what its layout keeps, its patches). The weights generator
+is still consumed once, on the calling thread (the engine's refit thread, which carries the
+caller's CUDA device): a dispatcher there hands each weight to every destination's stream
+through a bounded queue, and each stream runs its stages' wrapping and then the ordinary
+(blocking) :func:`~ckpt_core._internal.send.send_refit` on a thread of its own, so the streams
+progress together and a slow destination holds back only the dispatcher's next hand-over.
 
 Failure of any part fails all of it, and no stream is told its refit is complete while another
-failed: a generator or layout error, or a stream's own failure (a lost rollout), is passed to
+failed: a generator or stage error, or a stream's own failure (a lost rollout), is passed to
 every stream still running, which aborts its refit (its receiver sees ``RemoteRefitError``
-naming the cause); so does the caller's ``cancel``, checked before each weight is taken.
+naming the cause); so does the caller's ``cancel``, checked before each weight is taken. The
+end is in two steps: once the weights are exhausted, each stream runs its stages to their end
+(a layout's "named but never yielded" check, for one) and then waits at a gate; only when every
+stream reached its gate are they let through to post their last bucket.
 Every wait is bounded by ``timeout_s``, and every stream's thread is joined before
 :func:`send_refit_each` returns or raises (within ``3 * timeout_s``). Observers hear the refit start and
 end once, on the caller's thread; bucket events of every stream are passed on there too, with
-bucket indices counted within each stream. A destination whose layout keeps nothing of a long
-run of weights waits for its next one; each wait is bounded by ``timeout_s``, so a layout
-must not starve a rank for longer than that.
+bucket indices counted within each stream.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from ckpt_core.errors import TransferTimeoutError
 from ckpt_core.hooks import RefitNotifier
 from ckpt_core.stats import RefitContext, RefitStats
 
-Select = Callable[[str, torch.Tensor], "torch.Tensor | None"]
-"""What one destination keeps of a weight (``None``: nothing)."""
+Weights = Iterable[tuple[str, torch.Tensor]]
+Wrap = Callable[[Weights, RefitStats], Weights]
+"""A destination's refit stages over its weights, counting into its stream's statistics."""
 
 _DONE = object()
 _POLL_S = 0.05
@@ -75,15 +77,11 @@ class _StreamNotifier(RefitNotifier):
 
 @dataclasses.dataclass
 class Destination:
-    """One destination stream: its sender, what it selects, and (``finish``) a check run
-    once the weights are exhausted (a layout's "named but never yielded")."""
+    """One destination stream: its sender, and its refit stages over the weights (run on the
+    stream's send thread)."""
 
     sender: BucketSender
-    select: Select
-    finish: Callable[[], None] = lambda: None
-    encode: Callable[[Iterable[tuple[str, torch.Tensor]], RefitStats], Iterable[tuple[str, torch.Tensor]]] | None = None
-    """A stage over the stream's selected weights, run on its send thread, counting into the
-    stream's statistics (delta refits)."""
+    wrap: Wrap
 
 
 class _Stream:
@@ -97,6 +95,9 @@ class _Stream:
         self.error: BaseException | None = None
         self.stats: RefitStats | None = None
         self.thread: threading.Thread | None = None
+        self.at_gate = threading.Event()  # its stages ran to their end
+        self.through = threading.Event()  # set by the dispatcher: post the last bucket (or abort)
+        self.aborted: BaseException | None = None
 
     def weights(self) -> Generator[tuple[str, torch.Tensor], None, None]:
         while True:
@@ -128,8 +129,33 @@ class _Stream:
                         f"rollout rank {self.rank}'s stream took no weight within timeout_s={self.timeout_s:g}s"
                     ) from None
 
+    def gated(self, weights: Weights) -> Generator[tuple[str, torch.Tensor], None, None]:
+        """``weights`` (the stream's, through its stages), then the gate: the stream's last
+        bucket waits until every stream got there (or the refit failed)."""
+        yield from weights
+        self.at_gate.set()
+        if not self.through.wait(self.timeout_s):
+            raise TransferTimeoutError(
+                f"rollout rank {self.rank}'s stream: the other streams did not end within timeout_s={self.timeout_s:g}s"
+            )
+        cause = self.aborted
+        if cause is not None:
+            raise _RefitAborted(f"the refit was aborted: {type(cause).__name__}: {cause}") from cause
+
+    def reach_gate(self, deadline: float) -> None:
+        """Wait until the stream is at its gate; raises its own error if it failed."""
+        while not self.at_gate.wait(_POLL_S):
+            if self.error is not None:
+                raise self.error
+            if time.monotonic() > deadline:
+                raise TransferTimeoutError(
+                    f"rollout rank {self.rank}'s stream did not finish its weights within timeout_s={self.timeout_s:g}s"
+                )
+
     def abort(self, exc: BaseException) -> None:
         """Make the stream fail with ``exc`` (if it still runs): its receiver hears the abort."""
+        self.aborted = exc
+        self.through.set()
         try:
             self.queue.put_nowait(exc)
         except queue.Full:
@@ -152,7 +178,7 @@ def send_refit_each(
     **send_options: Any,
 ) -> dict[int, RefitStats]:
     """Send one refit to every destination (rollout rank -> :class:`Destination`), each its
-    own stream through ``send`` (:func:`~ckpt_core._internal.pipeline.send_refit`, given
+    own stream through ``send`` (:func:`~ckpt_core._internal.send.send_refit`, given
     ``send_options``); returns each destination's statistics. Blocking, like ``send``.
     ``cancel``: once set, the refit stops with ``RefitCancelled`` before the next weight, and
     every stream aborts its receiver's refit."""
@@ -174,16 +200,16 @@ def send_refit_each(
                 raise RefitCancelled(f"refit {context.refit_index} was cancelled by its caller")
             deadline = time.monotonic() + timeout_s
             for stream in streams:
-                selected = stream.destination.select(name, tensor)
-                if selected is not None:
-                    stream.hand_over((name, selected), deadline=deadline)
+                stream.hand_over((name, tensor), deadline=deadline)
             _raise_first_error(streams)  # a failed stream fails the refit before the next weight
             _pass_on(events, notifier)
         for stream in streams:
-            stream.destination.finish()
-        _raise_first_error(streams)  # no stream is told the refit is complete if one failed
-        for stream in streams:
             stream.hand_over(_DONE, deadline=time.monotonic() + timeout_s)
+        deadline = time.monotonic() + timeout_s
+        for stream in streams:  # no stream is told the refit is complete if one failed
+            stream.reach_gate(deadline)
+        for stream in streams:
+            stream.through.set()
         _join(streams, timeout_s)
         _raise_first_error(streams)
     except BaseException as exc:
@@ -225,9 +251,9 @@ def _run_stream(
     send_options: dict[str, Any],
 ) -> None:
     try:
-        encode, stats = stream.destination.encode, RefitStats()
+        stats = RefitStats()
         stream.stats = send(
-            stream.weights() if encode is None else encode(stream.weights(), stats),
+            stream.gated(stream.destination.wrap(stream.weights(), stats)),
             stream.destination.sender,
             context=context,
             notifier=notifier,

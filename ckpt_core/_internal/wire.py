@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from ckpt_core._internal.dtypes import dtype_name
 from ckpt_core.contract import TensorMeta, checked_meta, tensor_geometry
 from ckpt_core.errors import WireFormatError
+from ckpt_core.tensors import dtype_name
 
 FORMAT_VERSION = 4
 """Raised whenever a byte layout between peers changes (this header, or a transport's framing:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckpt_core.orchestration.worker import peak_rss_bytes
+from ckpt_core.rss import lifetime_peak_rss_bytes
 from ckpt_core.topology import Topology
 from ckpt_core.transport.torch_distributed import gloo_group
 
@@ -72,7 +72,7 @@ class RawGlooWorker:
             else:
                 self._group.recv([buffer], 0, 0).wait(self.timeout)
             seconds.append(time.perf_counter() - start)
-        return {"rank": self.rank, "seconds": seconds, "peak_rss_bytes": peak_rss_bytes()}
+        return {"rank": self.rank, "seconds": seconds, "lifetime_peak_rss_bytes": lifetime_peak_rss_bytes()}
 
     def round_trip(self, *, nbytes: int, start_at: float) -> dict[str, float]:
         """Rank 0, at ``start_at`` (a ``time.perf_counter`` stamp), sends ``nbytes`` as one

@@ -130,7 +130,7 @@ def _summarize(label: str, results: list[dict[str, Any]]) -> dict[str, Any]:
     payload = stats[-1]["payload_bytes"] if stats else 0
     summary["payload_bytes"] = payload
     summary["gbps"] = payload / summary["seconds"] / 1e9 if summary["seconds"] else 0.0
-    summary["peak_rss_bytes"] = results[-1]["peak_rss_bytes"]
+    summary["lifetime_peak_rss_bytes"] = results[-1]["lifetime_peak_rss_bytes"]
     return summary
 
 
@@ -158,7 +158,7 @@ def measure_gloo_floor(nbytes: int, topology: str, num_rollout: int, refits: int
         "nbytes": nbytes,
         "seconds": per_rep,
         "gbps": nbytes / median / 1e9,
-        "peak_rss_bytes": [c.value["peak_rss_bytes"] for c in runs],
+        "lifetime_peak_rss_bytes": [c.value["lifetime_peak_rss_bytes"] for c in runs],
     }
 
 

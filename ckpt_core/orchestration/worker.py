@@ -7,7 +7,6 @@ subprocess (:mod:`ckpt_core.orchestration.local`) and a Ray actor (:mod:`ckpt_co
 from __future__ import annotations
 
 import asyncio
-import resource
 import time
 from collections.abc import Callable, Generator, Iterable
 from typing import Any
@@ -16,17 +15,13 @@ import torch
 
 from ckpt_core.contract import CheckpointEngine
 from ckpt_core.errors import LifecycleError
-from ckpt_core.layout import WeightLayout, is_ckpt_layout, select_weights
 from ckpt_core.orchestration.workload import WeightsFactory, digests, load_target, tensor_digest
+from ckpt_core.refit.layout import WeightLayout, is_ckpt_layout, select_weights
 from ckpt_core.registry import create_checkpoint_engine
+from ckpt_core.rss import lifetime_peak_rss_bytes
 from ckpt_core.stats import Role
 
 BatchLoader = Callable[[list[tuple[str, torch.Tensor]]], None]
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class RefitWorker:
@@ -39,7 +34,7 @@ class RefitWorker:
     turns digests on. ``load_weights`` (rollout only) receives each received batch instead of
     the worker keeping the tensors (digests are then taken batch by batch, before the loader
     sees them, and count in ``wall_seconds``). ``weight_layout`` (rollout only) goes into this
-    worker's ``prepare()`` metadata as its ``"weight_layout"`` (see :mod:`ckpt_core.layout`; the
+    worker's ``prepare()`` metadata as its ``"weight_layout"`` (see :mod:`ckpt_core.refit.layout`; the
     engines need ``shard_expert_weights=True``).
     """
 
@@ -115,7 +110,8 @@ class RefitWorker:
     def refit(
         self, *, refit_index: int, weights: str | None = None, weights_params: dict[str, Any] | None = None
     ) -> dict[str, Any]:
-        """Run this worker's side of one refit; returns stats, digests and peak RSS.
+        """Run this worker's side of one refit; returns stats, digests and the process's
+        lifetime peak RSS (``lifetime_peak_rss_bytes``, see :mod:`ckpt_core.rss`).
 
         ``weights``/``weights_params`` replace the worker's weights factory for this refit.
         For synchronous callers (a local worker process, a threaded Ray actor): it runs
@@ -183,12 +179,12 @@ class RefitWorker:
             "tensors": count,
             "digests": result_digests,
             "by_destination": by_destination,
-            "peak_rss_bytes": peak_rss_bytes(),
+            "lifetime_peak_rss_bytes": lifetime_peak_rss_bytes(),
             "weight_version": self.weight_version,  # the last committed before this refit
         }
 
     def _destination_layouts(self) -> dict[str, WeightLayout]:
-        """The ckpt-engine layouts the engine selects by (see :mod:`ckpt_core.layout`): ``{}``
+        """The ckpt-engine layouts the engine selects by (see :mod:`ckpt_core.refit.layout`): ``{}``
         for none, ``{"*": layout}`` for one stream, ``{"<rollout rank>": layout}`` for a
         stream per destination."""
         if not getattr(self.engine, "shard_expert_weights", False):
@@ -287,7 +283,7 @@ def refit_worker_specs(
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Service specs and labels for a pool of ``num_policy`` + ``num_rollout`` RefitWorkers,
     in coordinator order (policy ranks, then rollout ranks). ``weight_layouts``: one
-    destination layout per rollout rank (:mod:`ckpt_core.layout`; the engines need
+    destination layout per rollout rank (:mod:`ckpt_core.refit.layout`; the engines need
     ``shard_expert_weights=True``)."""
     if weight_layouts is not None and len(weight_layouts) != num_rollout:
         raise ValueError(f"weight_layouts has {len(weight_layouts)} entries for {num_rollout} rollout ranks")

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import xxhash
 
-from ckpt_core._internal.dtypes import dtype_name
 from ckpt_core.chunking import tensor_bytes
+from ckpt_core.tensors import dtype_name
 
 WeightsFactory = Callable[..., Iterable[tuple[str, torch.Tensor]]]
 

@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from ckpt_core.orchestration.worker import RefitWorker, peak_rss_bytes
+from ckpt_core.orchestration.worker import RefitWorker
 from ckpt_core.orchestration.workload import digests, load_target
+from ckpt_core.rss import lifetime_peak_rss_bytes
 
 
 @dataclasses.dataclass
@@ -68,6 +69,6 @@ class ProbeWorker(RefitWorker):
             "stats": stats.to_dict() if stats is not None else None,
             "tensors": len(expected),
             "digests": expected,
-            "peak_rss_bytes": peak_rss_bytes(),
+            "lifetime_peak_rss_bytes": lifetime_peak_rss_bytes(),
             "consumption": {"pulled": seen.pulled, "exhausted": seen.exhausted, "expected": len(expected)},
         }

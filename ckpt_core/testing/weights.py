@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from ckpt_core import layout
-from ckpt_core._internal.dtypes import dtype_name, transferable_dtypes
-from ckpt_core.delta import copy_bits
+from ckpt_core.refit import layout
+from ckpt_core.refit.delta import copy_bits
+from ckpt_core.tensors import dtype_name, transferable_dtypes
 
 Weights = Iterator[tuple[str, torch.Tensor]]
 

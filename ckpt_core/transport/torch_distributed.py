@@ -297,6 +297,20 @@ class DistributedEngine(BucketedEngine):
         ),
     )
 
+    DISTRIBUTED_HOOKS: ClassVar[frozenset[str]] = frozenset(
+        {
+            "_new_data_group",
+            "_new_control_group",
+            "_shares_control_group",
+            "_buffer_device",
+            "_new_sender",
+            "_new_receiver",
+        }
+    )
+    """What a subclass provides (``_new_data_group``) or may override, beside the hooks of
+    :class:`~ckpt_core.transport.hooks.TransportHooks` (the section below); every other
+    underscore name is private to this class."""
+
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         owner = type(self).__name__

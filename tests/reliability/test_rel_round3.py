@@ -1,7 +1,7 @@
 """Round three (issue #31): the scenarios that loaded wrong weights or crashed, now each either
 served bit-exact or refused with a typed error, and the faults whose errors were untyped.
 
-Single errors are rows of the bad-input table (``rel_round3_inputs``); these tests need more
+Single errors are rows of the bad-input table (``rel_bad_inputs``); these tests need more
 than one refit, other processes, or a look at what a stranger can do:
 
 * the weights generator's contract: a refit that repeats the last one's packing (a replay) reads
@@ -26,9 +26,9 @@ import torch
 
 from ckpt_core.orchestration.coordinator import RefitFailedError
 from ckpt_core.transport import BucketedEngine
+from tests.reliability.rel_bad_inputs import frees_previous, refills_one_buffer
 from tests.reliability.rel_faults import Striker, failures_by_worker
 from tests.reliability.rel_inprocess import Pair
-from tests.reliability.rel_round3_inputs import frees_previous, refills_one_buffer
 from tests.reliability.rel_team import Team
 
 SMALL = 64  # elements: small tensors, packed (copied) into buckets, replayed in spans when safe

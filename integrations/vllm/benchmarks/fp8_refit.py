@@ -9,7 +9,7 @@ size 1, both engines selecting the ckpt backend, in this process:
 * ``bf16_send``: an engine quantizing online (``quantization="fp8_per_channel"`` over the BF16
   checkpoint), refitted with BF16 weights; vLLM quantizes each layer as it reloads it;
 * ``fp8_send``: an engine served from a compressed-tensors FP8 checkpoint
-  (``ckpt_vllm.quantization.save_fp8_checkpoint``), refitted by a trainer engine with
+  (``ckpt_vllm.model.model_quantization.save_fp8_checkpoint``), refitted by a trainer engine with
   ``quantize_for_rollout``: it sends FP8 bytes and per-channel scales.
 
 This process is the trainer: two versions of the weights, A and B (bf16), alternate so every
@@ -63,10 +63,10 @@ def _run_in(workdir: Path, reps: int, bucket_size: int, layers: int, check_every
     from vllm import LLM
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
-    from ckpt_core.fp8 import Fp8Format
-    from ckpt_core.quantize import QuantizationSpec, quantize_weights
-    from ckpt_vllm.quantization import save_fp8_checkpoint
-    from ckpt_vllm.trainer import CkptTrainerInitInfo
+    from ckpt_core.refit.quantize import QuantizationSpec, quantize_weights
+    from ckpt_core.refit.quantize.fp8 import Fp8Format
+    from ckpt_vllm.model.model_quantization import save_fp8_checkpoint
+    from ckpt_vllm.weight_transfer.trainer_engine import CkptTrainerInitInfo
 
     make_model(workdir / "start", layers)
     versions = make_versions(workdir / "start", workdir)

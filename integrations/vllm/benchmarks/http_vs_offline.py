@@ -47,8 +47,8 @@ sys.path.insert(0, str(HERE))
 from refit_vs_reload import MODEL, make_model  # noqa: E402 - the sibling benchmark's model
 from scaffold import in_scratch, set_up_process, write_results  # noqa: E402
 
-from ckpt_vllm.extension import CkptEngineWorkerExtension  # noqa: E402
-from ckpt_vllm.rollout import WORKER_EXTENSION  # noqa: E402
+from ckpt_vllm.driver.rollout import WORKER_EXTENSION  # noqa: E402
+from ckpt_vllm.weight_transfer.extension import CkptEngineWorkerExtension  # noqa: E402
 
 MIB = 1 << 20
 PROMPTS = [[(5 * i + j) % 8000 + 1 for j in range(24)] for i in range(2)]
@@ -197,7 +197,7 @@ def run(backends: list[str], reps: int, bucket_size: int, layers: int, out: Path
 def _run_in(workdir: Path, backends: list[str], reps: int, bucket_size: int, layers: int) -> dict[str, Any]:
     from vllm import LLM
 
-    from ckpt_vllm.serve import local_vllm_serve
+    from ckpt_vllm.devtools.serve import local_vllm_serve
 
     make_model(workdir / "start", layers)
     versions = make_versions(workdir / "start", workdir)
@@ -251,7 +251,7 @@ def run_backend(
 ) -> dict[str, Any]:
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
 
-    from ckpt_vllm.trainer import CkptTrainerInitInfo
+    from ckpt_vllm.weight_transfer.trainer_engine import CkptTrainerInitInfo
 
     kwargs = {"device": "cpu"} if backend == "cuda_ipc" else {}
     info: dict[str, Any] = {"transport": backend, "bucket_size_bytes": bucket_size, "engine_kwargs": kwargs}

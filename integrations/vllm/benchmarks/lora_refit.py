@@ -12,7 +12,7 @@ targets every linear layer of every decoder layer (q, k, v, o, gate, up, down) a
 it. Each repetition times, after 1.5 s with the engine idle:
 
 * ``refit``: the trainer sends the adapter's tensors while ``VllmRollout.refit_adapter``
-  receives them and every rank serves them from memory (``ckpt_vllm.lora``);
+  receives them and every rank serves them from memory (``ckpt_vllm.model.lora``);
 * ``disk``: the trainer writes the adapter as PEFT does (``adapter_config.json`` and
   ``adapter_model.safetensors``) and vLLM loads it (``llm_engine.add_lora`` with
   ``load_inplace``, what ``/v1/load_lora_adapter`` does), both timed;

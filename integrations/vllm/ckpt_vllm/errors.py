@@ -23,7 +23,8 @@ class StaleWeightsError(LifecycleError):
 class WorkersFailedError(CheckpointEngineError, RuntimeError):
     """A weight-transfer call failed on some of a vLLM engine's workers; the message names each
     one and its error (each worker's ``ckpt_engine_status`` has it too). Raised by the engine's
-    last worker only, for all of them (see :func:`ckpt_vllm.transfer.settle`)."""
+    last worker only, for all of them (see
+    :func:`ckpt_vllm.weight_transfer.worker_engine.settle`)."""
 
 
 class AdapterError(InvalidArgumentError):

@@ -4,7 +4,10 @@
 It registers the weight-transfer backend ``"ckpt"`` with vLLM's two factories, by module path:
 nothing of ckpt-core or of the transports is imported until a config selects the backend, so a
 broken ckpt-core install never stops vLLM from starting; it is a clear error when, and only
-when, ``"ckpt"`` is selected (:mod:`ckpt_vllm.transfer` fails to import, naming the cause).
+when, ``"ckpt"`` is selected (:mod:`ckpt_vllm.weight_transfer.worker_engine` fails to import,
+naming the cause). This module stays at the package's top, out of
+:mod:`ckpt_vllm.weight_transfer`, because the entry point names its path
+(``ckpt_vllm.plugin:register``) and the driver and tools read :data:`BACKEND_NAME` from it.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
     for factory, class_name, module in (
-        (WeightTransferEngineFactory, "CkptWeightTransferEngine", "ckpt_vllm.transfer"),
-        (WeightTransferTrainerFactory, "CkptTrainerWeightTransferEngine", "ckpt_vllm.trainer"),
+        (WeightTransferEngineFactory, "CkptWeightTransferEngine", "ckpt_vllm.weight_transfer.worker_engine"),
+        (WeightTransferTrainerFactory, "CkptTrainerWeightTransferEngine", "ckpt_vllm.weight_transfer.trainer_engine"),
     ):
         if BACKEND_NAME not in factory._registry:  # vLLM refuses a second registration of a name
             factory.register_engine(BACKEND_NAME, module, class_name)

@@ -1,10 +1,12 @@
 """Checks of the adapter that need no vLLM engine: the checkpoint's names of layers vLLM
 wrapped for LoRA, ``full_weight`` against this rank's layout, the experts' layouts in
-shardings vLLM's CPU build cannot run, and ``VllmRollout``'s arguments, refused before the
-engine is called."""
+shardings vLLM's CPU build cannot run, ``VllmRollout``'s arguments, refused before the
+engine is called, ``init_info`` as vLLM passes it on, and the import paths vLLM and users
+resolve by name."""
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
 from types import SimpleNamespace
@@ -14,11 +16,11 @@ import pytest
 import torch
 
 from ckpt_core.errors import EngineOptionError, InvalidArgumentError, UnknownBackendError, WeightLayoutError
-from ckpt_core.fp8 import Fp8Format, quantize
-from ckpt_core.layout import KeptWeight, WeightLayout, check_layouts, nothing, select_weights, slices, whole
+from ckpt_core.refit.layout import KeptWeight, WeightLayout, check_layouts, nothing, select_weights, slices, whole
+from ckpt_core.refit.quantize.fp8 import Fp8Format, quantize
 from ckpt_vllm import RolloutLoadError, VllmRollout
-from ckpt_vllm.layout import _expert_weights, full_weight, scale_kept
-from ckpt_vllm.loading import checkpoint_name
+from ckpt_vllm.model.loading import checkpoint_name
+from ckpt_vllm.model.model_layout import _expert_weights, full_weight, scale_kept
 
 # --- names of layers vLLM wrapped to serve LoRA -----------------------------------------------
 
@@ -222,7 +224,7 @@ def fp8_layout(scales: dict[str, tuple[int, ...]]) -> WeightLayout:
     ],
 )
 def test_a_workers_quantization_is_read_off_its_scales(scales: dict[str, tuple[int, ...]], fmt: str) -> None:
-    from ckpt_vllm.quantization import derive_weight_quantization
+    from ckpt_vllm.model.model_quantization import derive_weight_quantization
 
     spec = derive_weight_quantization(fp8_layout(scales), torch.bfloat16)
     assert spec is not None and spec.fmt.value == fmt and spec.dtype == torch.bfloat16
@@ -241,14 +243,14 @@ def test_a_workers_quantization_is_read_off_its_scales(scales: dict[str, tuple[i
     ],
 )
 def test_a_quantization_ckpt_engine_cannot_make_is_refused(scales: dict[str, tuple[int, ...]], said: str) -> None:
-    from ckpt_vllm.quantization import derive_weight_quantization
+    from ckpt_vllm.model.model_quantization import derive_weight_quantization
 
     with pytest.raises(RolloutLoadError, match=said):
         derive_weight_quantization(fp8_layout(scales), torch.bfloat16)
 
 
 def test_a_model_without_scales_holds_nothing_quantized() -> None:
-    from ckpt_vllm.quantization import derive_weight_quantization
+    from ckpt_vllm.model.model_quantization import derive_weight_quantization
 
     assert derive_weight_quantization(fp8_layout({}), torch.bfloat16) is None
 
@@ -316,9 +318,91 @@ def test_an_adapter_send_with_bad_arguments_is_refused_before_anything_is_sent(
 ) -> None:
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
 
-    from ckpt_vllm.trainer import CkptTrainerWeightTransferEngine
+    from ckpt_vllm.weight_transfer.trainer_engine import CkptTrainerWeightTransferEngine
 
     client = HTTPVLLMWeightSyncClient(client_url) if client_url else object()
     trainer = CkptTrainerWeightTransferEngine(client=client)
     with pytest.raises(InvalidArgumentError, match=re.escape(said)):
         trainer.send_adapter(name, [], config={"r": 8}, version=version)
+
+
+# --- init_info, as vLLM passes it on (a dict, from Python or JSON) -----------------------------
+
+INIT_INFO = {"transport": "gloo_cpu", "bucket_size_bytes": 1 << 20, "rendezvous": "127.0.0.1:1"}
+
+
+def test_init_infos_old_timeout_is_refused_naming_its_new_name_and_the_engines_own() -> None:
+    """``timeout_s`` of an ``init_info`` bounded only the rendezvous, beside the engine's own
+    ``timeout_s`` in ``engine_kwargs``: the old name is refused, saying both, never taken for
+    either bound."""
+    from ckpt_vllm.weight_transfer.worker_engine import CkptInitInfo
+
+    with pytest.raises(InvalidArgumentError, match=r"'timeout_s' is now called 'rendezvous_timeout_s'.*engine_kwargs"):
+        CkptInitInfo.from_dict({**INIT_INFO, "timeout_s": 5})
+    info = CkptInitInfo.from_dict({**INIT_INFO, "rendezvous_timeout_s": 5})
+    info.check()
+    assert info.rendezvous_timeout_s == 5
+    with pytest.raises(InvalidArgumentError, match=r"rendezvous_timeout_s must be"):
+        CkptInitInfo.from_dict({**INIT_INFO, "rendezvous_timeout_s": 0}).check()
+    with pytest.raises(InvalidArgumentError, match=r"no field \['timeout'\] \(its fields: \['transport'"):
+        CkptInitInfo.from_dict({**INIT_INFO, "timeout": 5})
+
+
+def test_a_workers_prepare_refuses_the_old_timeout_in_its_reply() -> None:
+    """``ckpt_engine_prepare`` (a driver's call before init) parses ``init_info`` as vLLM's
+    init does: the old name comes back as the rank's error, before any engine is built."""
+    from ckpt_vllm.weight_transfer.extension import CkptEngineWorkerExtension
+    from ckpt_vllm.weight_transfer.worker_engine import CkptWeightTransferEngine
+
+    worker = CkptEngineWorkerExtension()
+    # No vLLM worker behind it: the init_info is refused before the engine is used.
+    worker.weight_transfer_engine = CkptWeightTransferEngine.__new__(CkptWeightTransferEngine)
+    reply = worker.ckpt_engine_prepare(init_info={**INIT_INFO, "timeout_s": 5})
+    assert not reply["ok"] and reply["error_type"] == "InvalidArgumentError", reply
+    assert "rendezvous_timeout_s" in reply["message"] and "engine_kwargs" in reply["message"], reply
+
+
+# --- the package's layout ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kept", "home", "names"),
+    [
+        (
+            "ckpt_vllm.transfer",
+            "ckpt_vllm.weight_transfer.worker_engine",
+            ["CkptInitInfo", "CkptUpdateInfo", "CkptWeightTransferEngine", "settle"],
+        ),
+        (
+            "ckpt_vllm.trainer",
+            "ckpt_vllm.weight_transfer.trainer_engine",
+            ["CkptTrainerInitInfo", "CkptTrainerWeightTransferEngine", "Weights"],
+        ),
+        ("ckpt_vllm.extension", "ckpt_vllm.weight_transfer.extension", ["CkptEngineWorkerExtension"]),
+        (
+            "ckpt_vllm.serve",
+            "ckpt_vllm.devtools.serve",
+            ["STOP_GRACE_S", "free_port", "local_vllm_serve", "serve_command"],
+        ),
+    ],
+)
+def test_the_flat_layouts_import_paths_name_the_same_objects(kept: str, home: str, names: list[str]) -> None:
+    old, new = importlib.import_module(kept), importlib.import_module(home)
+    assert sorted(old.__all__) == sorted(names)
+    for name in names:
+        assert getattr(old, name) is getattr(new, name), name
+
+
+def test_the_entry_point_and_the_worker_extension_resolve() -> None:
+    """What vLLM resolves by name: the ``vllm.general_plugins`` entry point of the installed
+    distribution, and :data:`ckpt_vllm.WORKER_EXTENSION`."""
+    from importlib.metadata import entry_points
+
+    from ckpt_vllm import WORKER_EXTENSION
+    from ckpt_vllm.plugin import register
+    from ckpt_vllm.weight_transfer.extension import CkptEngineWorkerExtension
+
+    (entry,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "ckpt_engine"]
+    assert entry.load() is register
+    module, _, name = WORKER_EXTENSION.rpartition(".")
+    assert getattr(importlib.import_module(module), name) is CkptEngineWorkerExtension

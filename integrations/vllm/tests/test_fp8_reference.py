@@ -1,4 +1,4 @@
-"""``ckpt_core.fp8`` against vLLM's own quantizers, byte for byte: what an FP8 rollout would
+"""``ckpt_core.refit.quantize.fp8`` against vLLM's own quantizers, byte for byte: what an FP8 rollout would
 compute itself from the same weight is what a quantizing sender sends it.
 
 The references are vLLM's functions (0.32): for per-channel scales, those of its online
@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from ckpt_core.fp8 import Fp8Format, quantize
+from ckpt_core.refit.quantize.fp8 import Fp8Format, quantize
 
 pytest.importorskip("vllm")
 

@@ -27,7 +27,7 @@ from test_fp8_reference import vllm_per_channel
 from test_vllm_refit import CALL_TIMEOUT_S, in_parallel, train
 
 from ckpt_core.orchestration.rendezvous import MetadataRendezvous
-from ckpt_vllm.quantization import save_fp8_checkpoint
+from ckpt_vllm.model.model_quantization import save_fp8_checkpoint
 
 BUCKET = 1 << 20
 BACKENDS: dict[str, dict[str, Any]] = {"gloo_cpu": {}, "cuda_ipc": {"device": "cpu"}}

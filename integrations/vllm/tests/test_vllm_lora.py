@@ -1,4 +1,4 @@
-"""LoRA adapters refitted into vLLM and served from memory (ckpt_vllm.lora): a trainer trains
+"""LoRA adapters refitted into vLLM and served from memory (ckpt_vllm.model.lora): a trainer trains
 an adapter (PEFT's LoRA and names) on the tiny Qwen2 and refits only the adapter after each
 step; the engine serves it with no file written. After each refit the adapter's greedy tokens
 equal those of the same adapter saved to disk and loaded by vLLM itself (under another id),

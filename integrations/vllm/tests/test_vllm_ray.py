@@ -5,7 +5,7 @@ a ``CkptTrainerWeightTransferEngine`` in this process through ``RayVLLMWeightSyn
 Its greedy tokens after each refit of W1..W3 must equal what the same actor generated from W_k
 as vLLM loaded it (W1 at start-up, W2 and W3 by vLLM's own reload; the actor is left at W3, so
 the first refit changes every weight), and the version the trainer gave is the one the engine
-reports. A local Ray cluster of its own; the actor asks for no CPU, as in tests/test_ray.py.
+reports. A local Ray cluster of its own; the actor asks for no CPU, as in tests/orchestration/test_ray.py.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_refits_through_vllms_ray_client(
 ) -> None:
     from vllm.distributed.weight_transfer import RayVLLMWeightSyncClient, WeightTransferTrainerFactory
 
-    from ckpt_vllm.trainer import CkptTrainerInitInfo
+    from ckpt_vllm.weight_transfer.trainer_engine import CkptTrainerInitInfo
 
     actor, references = llm_actor
     kwargs = {"device": "cpu"} if backend == "cuda_ipc" else {}

@@ -179,6 +179,24 @@ class RefitsIntoVllm:
         finally:
             refitted_llm.shutdown_weight_transfer_engine()
 
+    def test_the_rendezvous_timeouts_old_name_is_refused_through_vllms_own_init(self, refitted_llm: Any) -> None:
+        """vLLM hands ``init_info`` to every worker as a dict: one that still says ``timeout_s``
+        (the old name of the rendezvous bound, easily taken for the engine's own) is refused
+        by every worker before any engine is built, each naming ``rendezvous_timeout_s`` and
+        ``engine_kwargs``."""
+        init_info = {"transport": "gloo_cpu", "bucket_size_bytes": BUCKET, "rendezvous": "127.0.0.1:1", "timeout_s": 5}
+        with pytest.raises(Exception):  # noqa: B017 - vLLM raises what its workers raised, as it likes
+            refitted_llm.init_weight_transfer_engine({"init_info": init_info})
+        rollout = VllmRollout(refitted_llm, backend="gloo_cpu", bucket_size_bytes=BUCKET)
+        try:
+            for status in rollout.status():
+                error = status["last_error"]
+                assert error is not None and error["error_type"] == "InvalidArgumentError", status
+                assert "'timeout_s' is now called 'rendezvous_timeout_s'" in error["message"], status
+                assert "engine_kwargs" in error["message"], status
+        finally:
+            rollout.finalize()
+
     def test_a_borrowed_weight_that_fills_its_bucket_exactly_is_kept_while_vllm_holds_it(
         self, refitted_llm: Any, checkpoints: dict[str, Any], reference_tokens: list[Any]
     ) -> None:

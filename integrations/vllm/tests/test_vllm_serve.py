@@ -30,7 +30,7 @@ import pytest
 import requests
 from conftest import PROMPTS, REFITS, sized_trainer_pool, trainer_pool, vllm_process_env
 
-from ckpt_vllm.serve import free_port, local_vllm_serve
+from ckpt_vllm.devtools.serve import free_port, local_vllm_serve
 
 CALL_TIMEOUT_S = 120.0
 START_S = 240.0  # the server answering /health

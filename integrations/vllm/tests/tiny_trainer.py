@@ -230,7 +230,7 @@ class TinyTrainer:
         rank, of ``world_size`` trainer ranks meeting at rank 0's ``rendezvous_port``)."""
         from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
 
-        from ckpt_vllm.trainer import CkptTrainerInitInfo
+        from ckpt_vllm.weight_transfer.trainer_engine import CkptTrainerInitInfo
 
         if self.vllm_engine is not None:
             self.vllm_engine.shutdown()

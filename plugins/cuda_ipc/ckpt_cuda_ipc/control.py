@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ckpt_core.errors import PeerLostError, TransferError, TransferTimeoutError, WireFormatError
-from ckpt_core.transport import MAX_HEADER_BYTES
+from ckpt_core.transport.wire import MAX_HEADER_BYTES
 
 _PREFIX = struct.Struct("!BI")
 MAX_FRAME_BYTES = MAX_HEADER_BYTES + (1 << 16)

@@ -22,7 +22,8 @@ from typing import Protocol
 import torch
 
 from ckpt_core.errors import PeerLostError, RemoteRefitError, TransferError, WireFormatError
-from ckpt_core.transport import BucketReceiver, BucketSender, decode_header
+from ckpt_core.transport import BucketReceiver, BucketSender
+from ckpt_core.transport.wire import decode_header
 
 from .control import Channel, Deadline, Kind, decode_json, lost, timed_out, wait_readable
 

@@ -21,7 +21,7 @@ W = "ckpt_core.testing.weights:"
 def test_headers_longer_than_one_frame() -> None:
     """Long names make each bucket's header larger than the fixed-size header frame, so the
     rest of it travels as a message of its own (the refits the conformance kit runs on this
-    backend, tests/test_gloo_cpu_conformance.py, all fit their frame)."""
+    backend, test_gloo_cpu_conformance.py beside this file, all fit their frame)."""
     specs, labels = refit_worker_specs(
         backend="gloo_cpu",
         num_policy=1,

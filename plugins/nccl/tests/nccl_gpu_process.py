@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ckpt_core.transport import DetachableStore
+from ckpt_core._internal.store import DetachableStore
 from ckpt_nccl import NcclCheckpointEngine
 from ckpt_nccl.cuda import ERROR_HANDLING_ENV, CudaPlatform
 from ckpt_nccl.transport import PayloadGroup

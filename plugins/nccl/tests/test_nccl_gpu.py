@@ -91,7 +91,7 @@ def test_the_sender_pipeline_packs_checksums_and_sends_into_a_one_rank_link():
     """send_refit through NcclSender into a one-member link: packing, sending straight from a
     tensor, the device checksum on the pack stream and the NCCL broadcast under it all run;
     every bucket's bytes are where the chunk layout says."""
-    from ckpt_core._internal.pipeline import direct_min_bytes, send_refit
+    from ckpt_core._internal.send import direct_min_bytes, send_refit
     from ckpt_core.hooks import RefitNotifier
     from ckpt_core.transport.torch_distributed import Link
 

@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 from nccl_host_platform import HostNcclEngine
 
-from ckpt_core.transport import DetachableStore
+from ckpt_core._internal.store import DetachableStore
 from ckpt_nccl.cuda import CLEAN_UP_ONLY, ERROR_HANDLING_ENV
 
 

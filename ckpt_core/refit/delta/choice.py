@@ -1,0 +1,214 @@
+"""How a delta refit's sender chooses, weight by weight, between a patch and the whole weight.
+
+A patch is fewer bytes wherever few enough elements changed, but not always less time: finding
+it reads the weight and its copy, and each changed element costs something on both sides (laid
+out and hashed on the sender, written into the receiver's copy). Where the wire is fast (a
+loopback, NVLink) a patch of a few percent can take longer than the whole weight; where it is
+slow (a cross-node link) a patch of a third can still win. So the sender measures, and chooses.
+
+Each weight a patch can pay for is, at each refit, in one of two states (:class:`WeightHistory`):
+
+* **tracked**: both sides hold a copy of it; it is compared with its copy and sent as a patch
+  where that is fewer bytes (a comparison that finds no patch of fewer bytes sends it whole and
+  starts watching it). Its changed fraction is what its last comparison found.
+* **watched**: neither side holds a copy (copying it would cost more than it saves); it is sent
+  whole, and the sender keeps only a copy of a sixteenth of it, the ranges a screening
+  comparison reads (:func:`ckpt_core.refit.delta.sample_ranges`), which it compares and refreshes at
+  each refit: its changed fraction, step by step, for a sixteenth of a comparison's cost.
+
+:class:`CostModel` fits the time of a stream's refits to what they moved, and decides the moves
+between the two: a tracked weight whose fraction makes its patch predicted slower than the whole
+weight is released (at the refit's manifest: the receiver frees its copy before the weights
+arrive) and watched; a watched weight whose patch is predicted to take at most
+:data:`RETRACK` of its whole time is tracked again (sent whole, both sides keep a copy) and
+compared from the next refit on. Until the model has evidence (:data:`MIN_EVIDENCE_BYTES` sent
+each way), the choice is by bytes alone: a patch wherever one is fewer bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+__all__ = ["CostModel", "DECAY", "EXPLORE", "MIN_EVIDENCE_BYTES", "RETRACK", "RefitCosts", "WeightHistory"]
+
+MIN_EVIDENCE_BYTES = 64 << 20
+"""The bytes a refit stream must have sent each way before its model decides."""
+DECAY = 0.7
+"""The weight of a refit's measurements against the next refit's."""
+EXPLORE = 0.25
+"""Until a stream has sent weights whole and untracked, a weight's whole time is taken as this
+share of a tracked one's (an upper bound on an untracked one's: the first refit of a stream
+also faults in the memory of every copy and received weight, which made it 3x an untracked
+refit on cuda_ipc, host memory, 1 GiB): a patch predicted to cost more is released, which
+measures the untracked time, and is tracked again only once that is known (or its patch
+became cheaper). Over a link 10x slower than memory a patch of 1% costs well under this
+share, and is kept."""
+RETRACK = 0.8
+"""A watched weight is tracked again where its patch is predicted to take at most this share
+of its whole time: the margin keeps a weight near the break-even from moving (and being copied)
+at every refit."""
+
+_GB = 1e9
+# The prior the patched fit is held near (seconds per GB patched, per G elements changed): a
+# guess that a refit's data outweighs as soon as there is any, and that decides the split of
+# time between the two only while every refit changed about the same fraction. Its strength
+# is relative to the data's own (a thousandth of it).
+_PRIOR = np.array([0.1, 5.0])
+_PRIOR_STRENGTH = 1e-3
+
+
+@dataclasses.dataclass
+class WeightHistory:
+    """What the sender's choice knows of one weight: its changed ``fraction`` (found by its
+    last comparison when tracked, by its sample when watched; ``None``: unknown, as for a
+    weight tracked again, until its next comparison), and, when it is watched, its ``sample``
+    (a copy of its screening ranges as last sent)."""
+
+    fraction: float | None = None
+    sample: torch.Tensor | None = None
+
+    @property
+    def watched(self) -> bool:
+        return self.sample is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class RefitCosts:
+    """What one refit of a stream moved, and how long it took: what the model learns from.
+    ``tracked_bytes`` are of the weights sent whole and kept (copied on both sides),
+    ``untracked_bytes`` of those sent whole and not kept, ``patched_bytes`` of those sent as
+    patches, which changed ``changed_elements`` elements."""
+
+    seconds: float
+    tracked_bytes: int
+    untracked_bytes: int
+    patched_bytes: int
+    changed_elements: int
+    released_bytes: int = 0
+    """Of the weights sent whole and not kept, those both sides held copies of until this
+    refit: it frees those copies (at the manifest, or, for a weight whose comparison found no
+    patch of fewer bytes, the receiver receives it into fresh memory while still holding its
+    copy), which a refit of weights neither side holds does not pay (on cuda_ipc, host
+    memory, 1 GiB: 0.27 s for the refit that released them, 0.18 s for the next)."""
+
+
+class CostModel:
+    """One stream's refit times, fitted (module docstring): a refit's seconds as ``whole x
+    B_whole + patched x B_patched + changed x C``. Each part is learnt from the refits that
+    sent mostly its kind (the minor parts predicted and taken off first), so that what is
+    known of one kind is kept, not forgotten, while a stream sends only another: the whole
+    part from refits of weights sent whole and untracked (what the choice compares a patch
+    with), or, until there is such a refit, from refits of weights sent whole and tracked
+    (the first refit's page faults included: an upper bound); the patched part from refits
+    of patches.
+
+    With no refit of untracked weights yet, a weight's whole time is taken as :data:`EXPLORE`
+    of that upper bound: a patch predicted to cost more goes whole and untracked, which
+    measures the whole part (the first refit of a stream copies every weight and faults its
+    memory in: its time says little of a refit that does not).
+    ``per_byte_whole``, ``per_byte_patched`` (seconds per byte) and ``per_changed`` (seconds
+    per element) are the fitted costs, ``None`` until measured."""
+
+    def __init__(self) -> None:
+        self._untracked = np.zeros(2)  # decayed sums: seconds, GB
+        self._tracked = np.zeros(2)
+        self._gram = np.zeros((2, 2))  # patched part: decayed sums of x x^T and x y, x = (GB, G elements)
+        self._moment = np.zeros(2)
+        self._evidence = {"untracked": 0, "tracked": 0, "patched": 0}
+
+    def add(self, refit: RefitCosts) -> None:
+        """One refit's measurement: it teaches the part of the kind it sent most bytes of."""
+        parts = {
+            "untracked": refit.untracked_bytes - refit.released_bytes,
+            "tracked": refit.tracked_bytes,
+            "patched": refit.patched_bytes,
+            "released": refit.released_bytes,
+        }
+        kind = max(parts, key=lambda key: parts[key])
+        if refit.seconds <= 0 or parts[kind] == 0 or kind == "released":  # not what a steady refit pays
+            return
+        others = refit.seconds - sum(
+            self._predicted(key, refit) for key in ("untracked", "tracked", "patched") if key != kind
+        )
+        seconds = max(0.0, others)
+        if kind == "patched":
+            x = np.array([refit.patched_bytes, refit.changed_elements]) / _GB
+            self._gram = DECAY * self._gram + np.outer(x, x)
+            self._moment = DECAY * self._moment + x * seconds
+        else:
+            sums = self._untracked if kind == "untracked" else self._tracked
+            sums *= DECAY
+            sums += (seconds, parts[kind] / _GB)
+        self._evidence[kind] += parts[kind]
+
+    def _predicted(self, kind: str, refit: RefitCosts) -> float:
+        """The seconds the fit so far gives the part of ``refit`` of ``kind`` (0 unknown)."""
+        if kind == "patched":
+            fit = self._patched_fit()
+            return 0.0 if fit is None else float(fit @ np.array([refit.patched_bytes, refit.changed_elements])) / _GB
+        rate = self._whole_rate(kind)
+        return 0.0 if rate is None else rate * (refit.untracked_bytes if kind == "untracked" else refit.tracked_bytes)
+
+    def _whole_rate(self, kind: str) -> float | None:
+        sums = self._untracked if kind == "untracked" else self._tracked
+        if self._evidence[kind] < MIN_EVIDENCE_BYTES or sums[1] <= 0:
+            return None
+        return float(sums[0] / sums[1]) / _GB
+
+    def _patched_fit(self) -> np.ndarray | None:
+        """(seconds per GB patched, seconds per G elements changed), held near the prior."""
+        if self._evidence["patched"] < MIN_EVIDENCE_BYTES:
+            return None
+        ridge = _PRIOR_STRENGTH * np.diag(np.diag(self._gram) + 1e-12)  # relative: the features' scales differ
+        return np.maximum(np.linalg.solve(self._gram + ridge, self._moment + ridge @ _PRIOR), 0.0)
+
+    @property
+    def per_byte_whole(self) -> float | None:
+        """Seconds per byte sent whole and untracked (else tracked: an upper bound)."""
+        untracked = self._whole_rate("untracked")
+        return untracked if untracked is not None else self._whole_rate("tracked")
+
+    @property
+    def per_byte_patched(self) -> float | None:
+        fit = self._patched_fit()
+        return None if fit is None else float(fit[0]) / _GB
+
+    @property
+    def per_changed(self) -> float | None:
+        fit = self._patched_fit()
+        return None if fit is None else float(fit[1]) / _GB
+
+    def releases(self, nbytes: int, numel: int, fraction: float) -> bool:
+        """Whether a tracked weight of ``nbytes`` and ``numel`` elements, of which ``fraction``
+        changed at its last comparison, is to be released and watched: predicted to take no
+        longer whole (:meth:`_whole_seconds`) than as a patch (``False`` until both are known:
+        the choice is then by bytes)."""
+        patch, whole = self._patch_seconds(nbytes, numel, fraction), self._whole_seconds(nbytes)
+        return patch is not None and whole is not None and bool(whole <= patch)
+
+    def retracks(self, nbytes: int, numel: int, fraction: float) -> bool:
+        """Whether a watched weight whose patch would be fewer bytes (``fraction`` of it changed
+        since the last refit, by its sample) is to be tracked again: its patch predicted to
+        take at most :data:`RETRACK` of its whole time (:meth:`_whole_seconds`; ``True`` until
+        both are known: the choice is then by bytes)."""
+        patch, whole = self._patch_seconds(nbytes, numel, fraction), self._whole_seconds(nbytes)
+        return patch is None or whole is None or bool(patch <= RETRACK * whole)
+
+    def _whole_seconds(self, nbytes: int) -> float | None:
+        """``nbytes`` sent whole and untracked: at the untracked rate, or, with none measured
+        yet, at :data:`EXPLORE` of the tracked rate (``None`` with neither)."""
+        untracked = self._whole_rate("untracked")
+        if untracked is not None:
+            return untracked * nbytes
+        tracked = self._whole_rate("tracked")
+        return None if tracked is None else EXPLORE * tracked * nbytes
+
+    def _patch_seconds(self, nbytes: int, numel: int, fraction: float) -> float | None:
+        fit = self._patched_fit()
+        if fit is None:
+            return None
+        patched, changed = fit / _GB
+        return float(patched * nbytes + changed * fraction * numel)

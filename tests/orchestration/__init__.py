@@ -1,0 +1,1 @@
+"""Tests of orchestration: rendezvous, local and joined pools, Ray, async refits."""

@@ -1,0 +1,276 @@
+"""The sender's choice between patches and whole weights (ckpt_core.refit.delta.choice): the cost
+model it fits to its refit times, the weights it releases (both baselines drop them at the
+manifest) and watches through a sample, and the per-weight choice as a refit's statistics
+report it, bit for bit at every changed fraction."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from ckpt_core.refit.delta import compare, sample_changes, take_sample
+from ckpt_core.refit.delta.baselines import DeltaReceiver, DeltaSender
+from ckpt_core.refit.delta.choice import MIN_EVIDENCE_BYTES, CostModel, RefitCosts
+from ckpt_core.stats import RefitStats
+from ckpt_core.testing.in_process import connected_pair, run_refit
+
+GB = 10**9
+
+
+def fitted(*, whole_s_per_gb: float | None, tracked_s_per_gb: float | None = None) -> CostModel:
+    """A model fed refits of 1 GB of bf16 (0.5 G elements): patches costing 0.15 s/GB plus
+    10 ns per changed element, at 0.1% and 1% changed; and whole refits at the given costs."""
+    model = CostModel()
+    for fraction in (0.001, 0.01, 0.001, 0.01):
+        changed = int(0.5e9 * fraction)
+        model.add(RefitCosts(0.15 + 10e-9 * changed, 0, 0, GB, changed))
+    if tracked_s_per_gb is not None:
+        model.add(RefitCosts(tracked_s_per_gb, GB, 0, 0, 0))
+    if whole_s_per_gb is not None:
+        model.add(RefitCosts(whole_s_per_gb, 0, GB, 0, 0))
+    return model
+
+
+def test_without_evidence_the_choice_is_by_bytes() -> None:
+    model = CostModel()
+    assert model.per_byte_whole is None and model.per_changed is None
+    assert not model.releases(GB, GB // 2, 0.3)  # a tracked weight is compared: bytes decide
+    assert model.retracks(GB, GB // 2, 0.3)  # a watched one whose patch is fewer bytes comes back
+    model.add(RefitCosts(0.1, 0, 0, MIN_EVIDENCE_BYTES // 2, 1000))  # too little to decide on
+    assert model.per_byte_patched is None and not model.releases(GB, GB // 2, 0.3)
+
+
+def test_the_fit_separates_the_cost_of_bytes_and_of_changed_elements() -> None:
+    model = fitted(whole_s_per_gb=0.3)
+    assert model.per_byte_patched == pytest.approx(0.15 / GB, rel=0.01)
+    assert model.per_changed == pytest.approx(10e-9, rel=0.01)
+    assert model.per_byte_whole == pytest.approx(0.3 / GB)
+
+
+def test_a_weight_is_released_where_its_patch_is_predicted_slower_and_tracked_again_with_a_margin() -> None:
+    """Patch of 1 GB at fraction f: 0.15 + 5 f seconds; whole: 0.3 s. Released from 3%;
+    tracked again only at or below 0.8 x 0.3 s (f <= 1.8%), so a weight near 3% stays put."""
+    model = fitted(whole_s_per_gb=0.3)
+    assert not model.releases(GB, GB // 2, 0.02) and model.releases(GB, GB // 2, 0.04)
+    assert model.retracks(GB, GB // 2, 0.01) and not model.retracks(GB, GB // 2, 0.025)
+
+
+def test_a_slow_wire_keeps_patches_to_a_high_fraction() -> None:
+    """At 8 s/GB whole (a 1 Gbit/s link), a patch of 20% (1.15 s) still pays."""
+    model = fitted(whole_s_per_gb=8.0)
+    assert not model.releases(GB, GB // 2, 0.2)
+
+
+def test_before_any_untracked_refit_a_patch_near_the_tracked_bound_is_released_to_measure() -> None:
+    """Only refits of tracked weights (whose time includes their first refit's faults) bound
+    the whole cost: a patch predicted at a quarter of that bound or more is released, which
+    measures it; the weight released is not tracked again before then, unless its patch
+    became cheaper (at most 0.8 of that quarter)."""
+    model = fitted(whole_s_per_gb=None, tracked_s_per_gb=1.2)
+    assert not model.releases(GB, GB // 2, 0.02)  # 0.25 s < 0.3 s
+    assert model.releases(GB, GB // 2, 0.04)  # 0.35 s >= 0.3 s
+    assert not model.retracks(GB, GB // 2, 0.04)  # waits for the untracked time
+    assert model.retracks(GB, GB // 2, 0.01)  # 0.2 s <= 0.24 s
+    model.add(RefitCosts(0.18, 0, GB, 0, 0))  # measured: 0.18 s/GB untracked, under the patch
+    assert not model.retracks(GB, GB // 2, 0.01) and model.releases(GB, GB // 2, 0.01)
+
+
+def test_each_kind_is_learnt_from_its_own_refits_and_not_forgotten() -> None:
+    """Refits of patches alone, however many, keep the whole cost measured before; a refit
+    sending mostly weights the receiver held until then (paying fresh memory) teaches nothing."""
+    model = fitted(whole_s_per_gb=0.3)
+    for _ in range(30):
+        model.add(RefitCosts(0.2, 0, 0, GB, 5_000_000))
+    assert model.per_byte_whole == pytest.approx(0.3 / GB)
+    model.add(RefitCosts(5.0, 0, GB, 0, 0, released_bytes=GB))
+    assert model.per_byte_whole == pytest.approx(0.3 / GB)
+
+
+def test_a_mixed_refit_credits_its_minor_part_by_the_fit() -> None:
+    """A refit of 1 GB whole and 0.2 GB patched at 1%: the patched part is predicted (0.04 s)
+    and taken off, the rest teaches the whole cost."""
+    model = fitted(whole_s_per_gb=0.3)
+    for _ in range(20):
+        model.add(RefitCosts(0.5 + 0.04, 0, GB, GB // 5, 1_000_000))
+    assert model.per_byte_whole == pytest.approx(0.5 / GB, rel=0.02)
+
+
+def test_a_screened_comparison_reads_a_sixteenth_and_stops_where_no_patch_can_pay() -> None:
+    generator = torch.Generator().manual_seed(1)
+    old = (torch.randn(1 << 20, generator=generator) * 0.02).bfloat16()
+    for fraction, pays in ((0.01, True), (0.4, False)):
+        new = old.clone()
+        flips = torch.rand(old.numel(), generator=generator) < fraction
+        new.view(torch.int16).bitwise_xor_(flips.to(torch.int16))
+        screened = compare(old, new, name="w", encoded=True, screen=True)
+        plain = compare(old, new, name="w", encoded=True)
+        if pays:
+            assert screened.patch is not None and plain.patch is not None and screened.encoded is not None
+            assert plain.encoded is not None and torch.equal(screened.encoded, plain.encoded)
+        else:
+            assert screened.patch is None and screened.compared == old.numel() // 16
+            assert abs(screened.changed / screened.compared - fraction) < 0.01
+
+
+def test_a_sample_counts_the_changes_of_its_ranges_and_follows_the_weight() -> None:
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(1 << 18, generator=generator)
+    sample = take_sample(weight, name="w")
+    assert sample.numel() == weight.numel() // 16
+    weight[::97] += 1  # every 97th element
+    changed, compared = sample_changes(sample, weight, name="w")
+    assert compared == sample.numel() and abs(changed - compared / 97) <= 16  # a few per range edge
+    assert sample_changes(sample, weight, name="w") == (0, compared)  # refreshed: nothing since
+
+
+def bf16_model(generator: torch.Generator) -> dict[str, torch.Tensor]:
+    return {f"w{i}": (torch.randn(1 << 17, generator=generator) * 0.02).bfloat16() for i in range(3)}
+
+
+def flipped(weights: dict[str, torch.Tensor], fraction: float, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    return {name: flip(tensor, fraction, generator) for name, tensor in weights.items()}
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def test_released_weights_leave_both_baselines_at_the_manifest_and_come_back_when_they_pay() -> None:
+    """With a model that finds patches of 5% slower than whole weights: a refit at 5% patches
+    (the fraction is learnt by it), the next releases every weight in its manifest (the
+    receiver drops its copies before any weight arrives) and sends them whole, watched; when
+    their samples show 1%, they are tracked again (whole), then patched. Bit for bit."""
+    generator = torch.Generator().manual_seed(3)
+    sender, receiver = DeltaSender(destination="rollout 0"), DeltaReceiver(source="policy 0")
+    sender.costs = fitted(whole_s_per_gb=0.3)
+    weights = bf16_model(generator)
+    steps = [(None, "whole"), (0.05, "patched"), (0.05, "released"), (0.01, "tracked again"), (0.01, "patched")]
+    for fraction, expected in steps:
+        if fraction is not None:
+            weights = flipped(weights, fraction, generator)
+        stats, got = RefitStats(), RefitStats()
+        entries = sender.encode(iter(weights.items()), stats)
+        manifest = next(entries)
+        assert receiver.receive(*manifest, got) is None
+        if expected == "released":
+            assert receiver.baseline.tensors == {} and sender.baseline.tensors == {}  # dropped at the manifest
+        received = {}
+        for name, tensor in entries:
+            entry = receiver.receive(name, tensor, got)
+            assert entry is not None
+            received[entry[0]] = entry[1].clone()
+        receiver.end()
+        if expected == "released":  # freeing both sides' copies: no steady refit, nothing learnt
+            stats.seconds = 99.0
+            sender.commit(stats)
+            assert sender.costs.per_byte_whole == pytest.approx(0.3 / GB)
+        else:
+            sender.commit()
+        receiver.commit()
+        assert list(received) == list(weights) and all(
+            torch.equal(bits(received[n]), bits(weights[n])) for n in weights
+        )
+        counts = (stats.patched_tensors, stats.whole_tensors, stats.untracked_tensors, stats.chosen_whole_tensors)
+        assert counts == {
+            "whole": (0, 3, 0, 0),
+            "patched": (3, 0, 0, 0),
+            "released": (0, 0, 3, 3),
+            "tracked again": (0, 3, 0, 0),
+        }.get(expected, (3, 0, 0, 0)), (expected, stats)
+        assert (got.patched_tensors, got.whole_tensors, got.untracked_tensors) == counts[:3]
+
+
+def test_a_refit_that_fails_after_its_manifest_released_weights_sends_them_whole_next() -> None:
+    """Released weights leave both baselines whether or not the refit completes: after a failed
+    one, the next refit sends them whole (there is nothing to patch them against on either side)."""
+    generator = torch.Generator().manual_seed(4)
+    sender, receiver = DeltaSender(destination="rollout 0"), DeltaReceiver(source="policy 0")
+    sender.costs = fitted(whole_s_per_gb=0.3)
+    weights = bf16_model(generator)
+    for fraction in (None, 0.05):
+        if fraction is not None:
+            weights = flipped(weights, fraction, generator)
+        list(receiver.decode(sender.encode(iter(weights.items()), RefitStats()), RefitStats()))
+        sender.commit()
+        receiver.commit()
+    failing = flipped(weights, 0.01, generator)
+    stream = receiver.decode(sender.encode(iter(failing.items()), RefitStats()), RefitStats())
+    next(stream)  # the manifest (releasing all three) and the first weight went through
+    stream.close()
+    sender.discard()
+    receiver.discard()
+    assert sender.baseline.tensors == {} and receiver.baseline.tensors == {}
+    assert sender.baseline.version == receiver.baseline.version
+    stats = RefitStats()
+    received = {n: t.clone() for n, t in receiver.decode(sender.encode(iter(failing.items()), stats), RefitStats())}
+    assert stats.patched_tensors == 0 and all(torch.equal(bits(received[n]), bits(failing[n])) for n in failing)
+
+
+def test_a_receiver_that_owns_what_it_receives_keeps_whole_weights_as_they_arrived() -> None:
+    weight = torch.arange(64, dtype=torch.float32)
+    for keeps, same in ((True, True), (False, False)):
+        sender = DeltaSender(destination="rollout 0")
+        receiver = DeltaReceiver(source="policy 0", keeps_received=keeps)
+        received = dict(receiver.decode(sender.encode(iter({"w": weight}.items()), RefitStats()), RefitStats()))
+        sender.commit()
+        receiver.commit()
+        assert (receiver.baseline.tensors["w"] is received["w"]) is same
+        assert torch.equal(receiver.baseline.tensors["w"], weight)
+
+
+def mixed(generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Weights whose patches pay up to different fractions: bf16 (6 bytes a changed element
+    against 2: below 33%), fp32 (8 against 4: below 50%), uint8 (5 against 1: below 20%)."""
+    return {
+        "bf16": torch.randn(40_000, generator=generator).bfloat16(),
+        "fp32": torch.randn(40_000, generator=generator),
+        "uint8": torch.randint(0, 255, (40_000,), generator=generator, dtype=torch.uint8),
+    }
+
+
+def test_refits_at_every_fraction_arrive_bit_for_bit_each_weight_chosen_by_what_its_patch_costs() -> None:
+    """Through an engine pair (the in-process transport: the real pipeline, statistics and
+    hooks), 0%, 1%, 40% and 100% of the elements changed in turn: every weight arrives bit for
+    bit, and the statistics show the choice made for each: at 40% only the fp32 weight's patch
+    is fewer bytes; at 100% none is; the refit after a weight went whole sends it whole and
+    tracked again."""
+    generator = torch.Generator().manual_seed(5)
+    weights = mixed(generator)
+    policy, rollout = connected_pair(1 << 16, delta=True)
+    expected = {  # fraction -> (patched, whole and tracked, untracked by the choice)
+        None: (0, 3, 0),
+        0.0: (3, 0, 0),
+        0.01: (3, 0, 0),
+        0.4: (1, 0, 2),
+        1.0: (0, 0, 3),
+        0.001: (0, 3, 0),
+    }
+    try:
+        for fraction in (None, 0.0, 0.01, 0.4, 1.0, 0.001):
+            if fraction is not None:
+                weights = {name: flip(tensor, fraction, generator) for name, tensor in weights.items()}
+            outcome = run_refit(policy, rollout, functools.partial(iter, list(weights.items())))
+            assert outcome.send_error is None and outcome.receive_error is None
+            assert [name for name, _ in outcome.received] == list(weights)
+            for (name, got), sent in zip(outcome.received, weights.values()):
+                assert got.dtype == sent.dtype and torch.equal(bits(got), bits(sent)), (fraction, name)
+            for engine in (policy, rollout):
+                stats = engine.last_stats
+                assert stats is not None
+                made = (stats.patched_tensors, stats.whole_tensors, stats.untracked_tensors)
+                assert made == expected[fraction], (fraction, engine, stats)
+            assert policy.last_stats is not None and policy.last_stats.chosen_whole_tensors == expected[fraction][2]
+    finally:
+        policy.finalize()
+        rollout.finalize()
+
+
+def flip(tensor: torch.Tensor, fraction: float, generator: torch.Generator) -> torch.Tensor:
+    """``tensor`` with the lowest bit of each element flipped with probability ``fraction``."""
+    flips = torch.rand(tensor.numel(), generator=generator) < fraction
+    flipped = tensor.clone()
+    integer = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[tensor.element_size()]
+    flipped.view(integer).bitwise_xor_(flips.to(integer))
+    return flipped

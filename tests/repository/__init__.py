@@ -1,0 +1,1 @@
+"""Checks of the repository itself: import hygiene, lock, option docs, benchmark and CLI smoke, gpu_check."""
