@@ -1,10 +1,13 @@
 """``MyTransportEngine``: <how peers meet, how one buffer moves, in two sentences>.
 
 A transport built on ``BucketedEngine`` answers two questions only; the core owns packing,
-headers, checksums, double buffering, reassembly, lifecycle checks, hooks and statistics.
-Fill in the four ``_`` methods of the engine and the two classes below (marked TODO), then run
-the conformance kit: ``pytest tests``. docs/writing-a-transport.md in ckpt-engine explains
-each guarantee; examples/tcp_transport there is a complete transport built from this template.
+headers, checksums, double buffering, reassembly, lifecycle checks, hooks and statistics. Fill
+in the four ``_`` methods of the engine and the two classes below (marked TODO), then run the
+conformance kit: ``pytest tests``. Those four are hooks of
+``ckpt_core.transport.TransportHooks``, which lists every engine method a transport may override
+(``TRANSPORT_HOOKS``); the others have defaults that fit a host-memory transport, and every
+other underscore name is the core's. docs/writing-a-transport.md in ckpt-engine explains each
+guarantee; examples/tcp_transport there is a complete transport built from this template.
 """
 
 from __future__ import annotations
@@ -74,9 +77,10 @@ class MyReceiver(BucketReceiver):
 
 class MyTransportEngine(BucketedEngine):
     """Takes ``BucketedEngine``'s options (``bucket_size``, ``timeout_s``, ``checksum``, NeMo
-    RL's ``release_after_refit`` and ``shard_expert_weights``, ``borrow_received_tensors``)
-    plus its own, declared once in ``options`` below; the generated list of all of them is
-    appended to this docstring.
+    RL's ``release_after_refit`` and ``shard_expert_weights``, ``borrow_received_tensors``, and
+    those of the refit kinds every engine runs: ``quantize_for_rollout``, ``delta``) plus its
+    own, declared once in ``options`` below; the generated list of all of them is appended to
+    this docstring.
 
     Declare each option of your own there (``Option.flag``, ``.number``, ``.size``, ``.choice``,
     ``.text`` or ``.custom`` with a ``parse`` function raising ``EngineOptionError``), never as
