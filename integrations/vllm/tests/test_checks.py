@@ -6,9 +6,11 @@ resolve by name."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import re
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -406,3 +408,45 @@ def test_the_entry_point_and_the_worker_extension_resolve() -> None:
     assert entry.load() is register
     module, _, name = WORKER_EXTENSION.rpartition(".")
     assert getattr(importlib.import_module(module), name) is CkptEngineWorkerExtension
+
+
+# --- the trainer's WeightSource, in vLLM 0.32's shape and 0.33's -------------------------------
+
+
+class _Source033:
+    """A source in vLLM 0.33's trainer-side shape, as its release notes give it (0.33 has no CPU
+    build to test against): ``iter_full()`` yields every weight whole, ``iter_local()`` this
+    rank's shards, ``owned_names(rank)`` what a rank owns, ``metadata`` a cached property; it
+    is not iterable itself."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    @functools.cached_property
+    def metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        return [(name, p.dtype, tuple(p.shape)) for name, p in self.module.named_parameters()]
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from ((name, p.detach()) for name, p in self.module.named_parameters())
+
+    def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.iter_full()
+
+    def owned_names(self, rank: int) -> list[str]:
+        return [name for name, _ in self.module.named_parameters()]
+
+
+def test_a_033_source_gives_the_trainer_the_same_bytes_as_vllm_032s_own() -> None:
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    from ckpt_vllm.weight_transfer.trainer_engine import source_weights
+
+    module = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.LayerNorm(4)).to(torch.bfloat16)
+
+    def pairs(source: Any) -> list[tuple[str, bytes]]:
+        return [(name, t.contiguous().view(torch.uint8).numpy().tobytes()) for name, t in source_weights(source)]
+
+    assert pairs(_Source033(module)) == pairs(ModuleSource(module)) != []
+    assert pairs(ModuleSource(module)) == pairs(ModuleSource(module)), "every call is a fresh pass"
+    with pytest.raises(InvalidArgumentError, match="iter_full\\(\\) in vLLM 0.33, iterable in 0.32"):
+        source_weights(object())

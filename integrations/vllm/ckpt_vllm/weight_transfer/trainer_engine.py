@@ -52,6 +52,22 @@ Weights = Iterable[tuple[str, torch.Tensor]]
 _SERVER_ANSWER_S = 30.0  # how long a failed send waits for the server's own error
 
 
+def source_weights(source: Any) -> Weights:
+    """A fresh pass over a vLLM ``WeightSource``'s full weights, in either of its shapes:
+    vLLM 0.33's (``iter_full()``: every weight whole, as each trainer rank must send it beside
+    ``iter_local()`` and ``owned_names(rank)``, which this backend does not need: each policy
+    rank sends full weights in its transport's topology) or 0.32's (iterating the source).
+    ``InvalidArgumentError`` for an object that is neither."""
+    iter_full = getattr(source, "iter_full", None)
+    if callable(iter_full):
+        return iter_full()  # type: ignore[no-any-return]
+    if hasattr(type(source), "__iter__"):
+        return iter(source)  # type: ignore[no-any-return]
+    raise InvalidArgumentError(
+        f"source must be a vLLM WeightSource (iter_full() in vLLM 0.33, iterable in 0.32), got {type(source).__name__}"
+    )
+
+
 @dataclasses.dataclass
 class CkptTrainerInitInfo(TrainerInitInfo):
     """What ``trainer_init`` takes on each trainer rank (``rank``, keyword-only, is its own).
@@ -190,7 +206,7 @@ class CkptTrainerWeightTransferEngine(TrainerWeightTransferEngine[CkptTrainerIni
         if weights is None:
             if self.source is None:
                 raise InvalidArgumentError("send_weights: no weights given and no source at trainer_init")
-            weights = self.source
+            weights = source_weights(self.source)
         try:
             # The server's start and update run beside the send from its first byte: a
             # transport's first bucket travels while vLLM's calls reach the workers (what
