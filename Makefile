@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-$(STAMP): requirements-lock.txt requirements-dev.txt pyproject.toml plugins/*/pyproject.toml integrations/*/pyproject.toml
+$(STAMP): requirements-lock.txt requirements-dev.txt requirements-nodeps.txt pyproject.toml plugins/*/pyproject.toml integrations/*/pyproject.toml
 	bash scripts/venv.sh build $(PYTHON) $(VENV)
 	touch $(STAMP)
 

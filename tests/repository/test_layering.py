@@ -247,7 +247,7 @@ def test_nothing_in_the_library_imports_the_seed_module() -> None:
     assert not users, users
 
 
-INTEGRATION_SOURCES = [REPO / "integrations" / "vllm" / "ckpt_vllm"]
+INTEGRATION_SOURCES = [REPO / "integrations" / "vllm" / "ckpt_vllm", REPO / "integrations" / "verl" / "ckpt_verl"]
 # What an integration may import from the core: the consumer's contract, the registry,
 # errors, option checks, statistics, host memory release, resident memory as reports measure
 # it (rss), destination layouts, FP8 formats and the rollout's quantization (quantize-on-send),
