@@ -255,6 +255,27 @@ def test_the_small_refit_benchmark_runs_beside_its_floors(tmp_path: Path) -> Non
     assert "| gloo_cpu |" in (tmp_path / "small_refit.md").read_text()
 
 
+def test_the_verl_sync_benchmark_times_each_part_of_a_sync(tmp_path: Path) -> None:
+    """``python -m benchmarks.verl_sync`` in a tiny configuration: per backend, each sync's parts
+    (rebuild and transfer within the whole), and what verl's own ``naive`` engine answers."""
+    pytest.importorskip("verl", reason="verl is not installed (the dev set-up pins verl==0.9.1)")
+    from benchmarks.verl_sync import main
+
+    assert main(["--size", "1MiB", "--tensors", "4", "--syncs", "2", "--rollouts", "1", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "verl_sync.json").read_text())
+    assert [measured["backend"] for measured in results["runs"]] == ["cuda_ipc", "gloo_cpu"]
+    for measured in results["runs"]:
+        assert len(measured["runs"]) == 2
+        for sync in measured["runs"]:
+            assert (
+                0 < sync["transfer_s"]
+                and 0 < sync["rebuild_s"]
+                and sync["rebuild_s"] + sync["transfer_s"] <= sync["sync_s"]
+            )
+        assert measured["verls_own_naive"].startswith("NotImplementedError"), measured["verls_own_naive"]
+    assert "| ckpt_gloo_cpu |" in (tmp_path / "verl_sync.md").read_text()
+
+
 def test_the_slow_link_benchmark_refuses_to_run_without_its_tools(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
