@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from ckpt_core.transport.engine import BucketedEngine
 
 
-def is_int(value: Any) -> bool:
+def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -23,26 +23,27 @@ def checked_metadata(
     engine_id: str,
     *,
     rank: int,
-    own_index: int,
     train_world_size: int,
     rollout_world_size: int,
     metadata: Any,
     role: Role,
 ) -> list[dict[str, Any]]:
     """An init's arguments checked (world sizes, the rank, then every metadata entry: a plain
-    JSON mapping from this backend and wire format, this engine's own at ``own_index``, and
+    JSON mapping from this backend and wire format, this engine's own at its place (policy
+    entries by rank, then rollout entries by rank), and
     the agreed settings of every worker equal to ``engine``'s); returns ``metadata``.
     ``InvalidArgumentError`` for a wrong argument, ``WireFormatError`` for an entry that is
     not another worker's ``prepare()`` result of this backend, ``EngineOptionError`` for a
     setting that differs."""
     owner = type(engine).__name__
     for label, value in (("train_world_size", train_world_size), ("rollout_world_size", rollout_world_size)):
-        if not is_int(value) or value < 1:
+        if not _is_int(value) or value < 1:
             raise InvalidArgumentError(f"{owner}: {label} must be an int >= 1, got {value!r}")
     size = train_world_size if role == "policy" else rollout_world_size
     label = "worker_rank" if role == "policy" else "rollout_rank"
-    if not is_int(rank) or not 0 <= rank < size:
+    if not _is_int(rank) or not 0 <= rank < size:
         raise InvalidArgumentError(f"{owner}: {label} must be an int in [0, {size}), got {rank!r}")
+    own_index = rank if role == "policy" else train_world_size + rank
     expected = train_world_size + rollout_world_size
     if not isinstance(metadata, list) or len(metadata) != expected:
         got = len(metadata) if isinstance(metadata, list) else type(metadata).__name__

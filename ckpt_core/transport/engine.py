@@ -23,7 +23,7 @@ import torch
 
 from ckpt_core._internal.agreement import AGREED_KEY
 from ckpt_core._internal.bucket_io import BucketReceiver, BucketSender
-from ckpt_core._internal.fanout import Destination, Weights, send_refit_each
+from ckpt_core._internal.fanout import Destination, send_refit_each
 from ckpt_core._internal.pipeline import RefitCancelled
 from ckpt_core._internal.receive import ReceiveMemo, receive_refit
 from ckpt_core._internal.replay import PackingRecord
@@ -36,9 +36,9 @@ from ckpt_core.options import OptionSchema, OptionValues, document_options
 from ckpt_core.refit.delta.stage import DeltaStage
 from ckpt_core.refit.layout.stage import LayoutStage
 from ckpt_core.refit.quantize.stage import QuantizeStage
-from ckpt_core.refit.stage import Destinations, RefitStage, Stream, stage_options
+from ckpt_core.refit.stage import Destinations, RefitStage, Stream, Weights, stage_options
 from ckpt_core.stats import RefitContext, RefitStats, Role
-from ckpt_core.transport._init_checks import checked_metadata, is_int
+from ckpt_core.transport._init_checks import checked_metadata
 from ckpt_core.transport._lifecycle import Lifecycle, Phase
 from ckpt_core.transport._refit_thread import RefitThread
 from ckpt_core.transport.engine_options import ENGINE_OPTIONS
@@ -174,7 +174,6 @@ class BucketedEngine(TransportHooks, CheckpointEngine):
             self,
             self._engine_id,
             rank=worker_rank,
-            own_index=worker_rank,
             train_world_size=train_world_size,
             rollout_world_size=rollout_world_size,
             metadata=metadata,
@@ -212,12 +211,10 @@ class BucketedEngine(TransportHooks, CheckpointEngine):
         self, *, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[Any]
     ) -> None:
         self._life.require(Phase.PREPARED, "init_rollout_process_group()")
-        own_index = train_world_size + rollout_rank if is_int(train_world_size) else -1
         checked = checked_metadata(
             self,
             self._engine_id,
             rank=rollout_rank,
-            own_index=own_index,
             train_world_size=train_world_size,
             rollout_world_size=rollout_world_size,
             metadata=metadata,
