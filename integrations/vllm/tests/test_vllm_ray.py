@@ -92,3 +92,48 @@ def test_refits_through_vllms_ray_client(
     finally:
         engine.shutdown()
         ray.get(actor.shutdown_weight_transfer_engine.remote(), timeout=CALL_TIMEOUT_S)
+
+
+def test_verls_manager_lands_its_syncs_in_this_engine(
+    llm_actor: tuple[Any, list[list[list[int]]]], checkpoints: dict[str, Any]
+) -> None:
+    """verl's ``CheckpointEngineManager`` syncs W1 then W2 from a trainer actor (ckpt-verl's
+    ``ckpt_gloo_cpu`` engine) to a replica's ``CheckpointEngineWorker``, whose server adapter,
+    ckpt-verl's ``CkptVllmServerAdapter``, refits this engine through vLLM's Ray client (the
+    ckpt backend over cuda_ipc on the host): after each sync the engine generates what it did
+    from that W as vLLM loaded it, under verl's ``global_steps`` as its weight version."""
+    pytest.importorskip("verl", reason="verl is not installed (the dev set-up pins verl==0.9.1)")
+    from verl.checkpoint_engine.base import CheckpointEngineManager, CheckpointEngineWorker
+    from verl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.workers.config import CheckpointEngineConfig, RolloutConfig
+    from vllm.distributed.weight_transfer import RayVLLMWeightSyncClient
+
+    from ckpt_verl.testing import StandInReplica, WeightsTrainer
+    from ckpt_verl.vllm_adapter import CkptVllmServerAdapter
+
+    actor, references = llm_actor  # left at W3 by the test before
+    config = CheckpointEngineConfig(
+        backend="ckpt_gloo_cpu", update_weights_bucket_megabytes=1, engine_kwargs={"ckpt_gloo_cpu": {"timeout_s": 120}}
+    )
+    rollout_config = RolloutConfig(name="vllm", checkpoint_engine=config, tensor_model_parallel_size=1)
+    adapter = CkptVllmServerAdapter(
+        rollout_config, client=RayVLLMWeightSyncClient(actor), transport="cuda_ipc", engine_kwargs={"device": "cpu"}
+    )
+
+    def group(cls: type, **init: Any) -> RayWorkerGroup:
+        pool = RayResourcePool([1], use_gpu=False, max_colocate_count=1)
+        return RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(cls), **init))
+
+    saved = [str(path) for path in checkpoints["weights"]]
+    trainers = group(WeightsTrainer, config=config, checkpoints=saved)
+    rollout = group(CheckpointEngineWorker, rollout_config=rollout_config, model_config=None, server_adapter=adapter)
+    manager = CheckpointEngineManager(config, trainers, [StandInReplica(rollout.workers)])
+    try:
+        for global_steps in (1, 2):
+            manager.update_weights(global_steps=global_steps)
+            assert actor_tokens(actor) == references[global_steps - 1], f"after verl's sync of W{global_steps}"
+            assert ray.get(actor.get_weight_version.remote(), timeout=CALL_TIMEOUT_S) == str(global_steps)
+    finally:
+        for worker in trainers.workers + rollout.workers:
+            ray.kill(worker)
+        ray.get(actor.shutdown_weight_transfer_engine.remote(), timeout=CALL_TIMEOUT_S)
