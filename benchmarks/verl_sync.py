@@ -10,10 +10,11 @@ built as verl builds it: ``CheckpointEngineRegistry.new("ckpt_<backend>", bucket
 * **sync**: the whole sync, as the driver sees it (from the first ``prepare`` to the last
   ``finalize``), and its parts: **rebuild** (prepare, topology, init and finalize) and
   **transfer** (send beside receive, until the last rollout holds every tensor);
-* **verl's own**: the one engine verl 0.9.1 ships that runs without CUDA, ``naive``, built the
-  same way and asked to ``prepare()``: it is colocated only (verl's manager short-circuits it to
-  an in-process hand-over), so between processes there is nothing of verl's to time; what it
-  answers is recorded beside our figures.
+* **verl's own**: every engine verl ships, built the same way and asked to ``prepare()``, or
+  the import error verl recorded for its module. In verl 0.9.1 on a CPU, ``naive`` is the only
+  one that imports, and it is colocated only (verl's manager short-circuits it to an in-process
+  hand-over), so between processes there is nothing of verl's to time; what each answers is
+  recorded beside our figures.
 
 The issue's goal (issue 51, point 5): >= 2x faster than verl's own engine on CPU. Writes
 ``verl_sync.json`` and ``verl_sync.md`` to ``--out``.
@@ -98,14 +99,25 @@ class VerlSyncWorker:
     def finalize(self) -> None:
         self.engine.finalize()
 
-    def verls_own(self, *, bucket_size: int) -> str:
-        """What verl's own CPU-capable engine (``naive``) answers when asked to take part."""
-        try:
-            engine = self.registry.new("naive", bucket_size=bucket_size)
-            engine.prepare()
-        except Exception as exc:  # noqa: BLE001 - the answer is the finding
-            return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        return "prepared"
+    def verls_own(self, *, bucket_size: int) -> dict[str, str]:
+        """What each of verl's own engines answers here: built as verl builds it and asked to
+        ``prepare()`` (``"prepared"`` if it did), or, for an engine module verl could not import,
+        the import error verl recorded. Ours (``ckpt_*``) are left out."""
+        from ckpt_verl.engine import PREFIX
+
+        answers = {}
+        for name in sorted(self.registry._registry):
+            if name.startswith(PREFIX):
+                continue
+            try:
+                self.registry.new(name, bucket_size=bucket_size).prepare()
+            except Exception as exc:  # noqa: BLE001 - the answer is the finding
+                answers[name] = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            else:
+                answers[name] = "prepared"
+        for module, error in sorted(self.registry._import_errors.items()):
+            answers[module] = f"not importable: {error}"
+        return answers
 
 
 def _call(pool: LocalProcessPool, method: str, per_worker: dict[int, dict[str, Any]]) -> dict[int, Any]:
@@ -155,7 +167,7 @@ def measure(backend: str, rollouts: int, nbytes: int, tensors: int, bucket_size:
         runs = [one_sync(pool, rollouts, global_steps=step) for step in range(1, syncs + 1)]
         verls_own = _call(pool, "verls_own", {0: {"bucket_size": bucket_size}})[0]
     medians = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
-    return {"backend": backend, "runs": runs, "medians": medians, "verls_own_naive": verls_own}
+    return {"backend": backend, "runs": runs, "medians": medians, "verls_own": verls_own}
 
 
 def report(results: dict[str, Any]) -> str:
@@ -174,10 +186,11 @@ def report(results: dict[str, Any]) -> str:
             f"| ckpt_{run['backend']} | {m['sync_s'] * 1e3:.0f} ms | {m['rebuild_s'] * 1e3:.0f} ms | "
             f"{m['transfer_s'] * 1e3:.0f} ms | {setup['nbytes'] / m['transfer_s'] / 1e9:.2f} |"
         )
-    answer = results["runs"][0]["verls_own_naive"] if results["runs"] else "n/a"
+    answers = results["runs"][0]["verls_own"] if results["runs"] else {}
+    lines += ["", "verl's own engines on this machine (built as verl builds them, then `prepare()`):", ""]
+    lines += ["| verl engine | answer |", "| --- | --- |"]
+    lines += [f"| `{name}` | {answer} |" for name, answer in answers.items()]
     lines += [
-        f"| verl's own `naive` (its only engine without CUDA) | cannot take part between processes: `prepare()` "
-        f"answered {answer!r} | | | |",
         "",
         "Goal (issue 51, point 5): >= 2x faster than verl's own engine on CPU. verl 0.9.1 has no engine that moves "
         "weights between processes without CUDA (`naive` is colocated; the manager hands weights over in process), "
