@@ -22,6 +22,26 @@ LEFT_OUT=(torchvision torchaudio torchcodec)
 NODEPS=requirements-nodeps.txt
 UNFOLLOWED=(verl tensordict)
 
+# vLLM's next trainer-side API (its WeightSource and TrainerWeightTransferEngine changed in 0.33,
+# which has no CPU build): its weight_transfer/base.py alone, taken from the release's wheel into
+# VENV/vllm-next/, where ckpt-vllm's tests load it beside the installed CPU build's vllm.config.
+NEXT_VLLM=0.33.0
+
+vllm_next_api() {  # VENV
+    local scratch
+    scratch=$(mktemp -d)
+    "$1/bin/python" -m pip download --quiet --no-deps --dest "$scratch" "vllm==$NEXT_VLLM"
+    "$1/bin/python" - "$scratch"/vllm-*.whl "$1/vllm-next" "$NEXT_VLLM" <<'PY'
+import pathlib, sys, zipfile
+wheel, dest, version = sys.argv[1], pathlib.Path(sys.argv[2]), sys.argv[3]
+dest.mkdir(parents=True, exist_ok=True)
+with zipfile.ZipFile(wheel) as opened:
+    (dest / "weight_transfer_base.py").write_bytes(opened.read("vllm/distributed/weight_transfer/base.py"))
+(dest / "VERSION").write_text(version + "\n")
+PY
+    rm -rf "$scratch"
+}
+
 new_venv() {  # PYTHON VENV
     "$1" -m venv "$2"
     "$2/bin/python" -m pip install --quiet --upgrade pip
@@ -44,6 +64,7 @@ build() {  # PYTHON VENV
     if [ "$locked" != "$(python_version "$bin/python")" ]; then
         echo "$LOCK is for Python $locked; resolving requirements-dev.txt instead" >&2
         resolve "$2"
+        vllm_next_api "$2"
         return
     fi
     awk 'NR % 2 == 1' "$LOCK" >"$2/lock-odd.txt"
@@ -59,6 +80,7 @@ build() {  # PYTHON VENV
     editables=$(sed -n 's/^-e \([^[]*\).*$/-e \1/p' requirements-dev.txt)
     # shellcheck disable=SC2086  # one word per -e and path
     "$bin/python" -m pip install --quiet --no-deps $editables
+    vllm_next_api "$2"
 }
 
 lock() {  # PYTHON

@@ -187,6 +187,24 @@ def sized_trainer_pool(
     return LocalProcessPool(specs, labels=labels, env=env, preload=TRAINER_PRELOAD)
 
 
+@pytest.fixture(scope="session")
+def vllm_next_base() -> Any:
+    """vLLM 0.33's ``weight_transfer/base.py`` (its ``WeightSource``, ``ModuleSource`` and
+    ``TrainerWeightTransferEngine``; 0.33 has no CPU build), which ``make venv`` takes from the
+    release's wheel into ``.venv/vllm-next/``, loaded beside the installed build's ``vllm.config``."""
+    path = Path(sys.prefix) / "vllm-next" / "weight_transfer_base.py"
+    if not path.exists():
+        if os.environ.get("CI"):
+            raise RuntimeError(f"{path} is missing: CI's set-up (make venv, scripts/venv.sh) puts it there")
+        pytest.skip(f"{path} is missing: `make venv` puts vLLM 0.33's weight-transfer base classes there")
+    spec = importlib.util.spec_from_file_location("vllm_next_weight_transfer_base", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _rpc_sockets_removed_at_the_end() -> Iterator[None]:
     yield

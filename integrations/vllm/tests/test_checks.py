@@ -2,15 +2,13 @@
 wrapped for LoRA, ``full_weight`` against this rank's layout, the experts' layouts in
 shardings vLLM's CPU build cannot run, ``VllmRollout``'s arguments, refused before the
 engine is called, ``init_info`` as vLLM passes it on, and the import paths vLLM and users
-resolve by name."""
+resolve by name. The trainer side is checked against vLLM 0.33's own base classes too."""
 
 from __future__ import annotations
 
-import functools
 import importlib
 import math
 import re
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -410,33 +408,10 @@ def test_the_entry_point_and_the_worker_extension_resolve() -> None:
     assert getattr(importlib.import_module(module), name) is CkptEngineWorkerExtension
 
 
-# --- the trainer's WeightSource, in vLLM 0.32's shape and 0.33's -------------------------------
+# --- the trainer's side against vLLM 0.33's own base classes (0.32's installed) ----------------
 
 
-class _Source033:
-    """A source in vLLM 0.33's trainer-side shape, as its release notes give it (0.33 has no CPU
-    build to test against): ``iter_full()`` yields every weight whole, ``iter_local()`` this
-    rank's shards, ``owned_names(rank)`` what a rank owns, ``metadata`` a cached property; it
-    is not iterable itself."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-
-    @functools.cached_property
-    def metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-        return [(name, p.dtype, tuple(p.shape)) for name, p in self.module.named_parameters()]
-
-    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from ((name, p.detach()) for name, p in self.module.named_parameters())
-
-    def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.iter_full()
-
-    def owned_names(self, rank: int) -> list[str]:
-        return [name for name, _ in self.module.named_parameters()]
-
-
-def test_a_033_source_gives_the_trainer_the_same_bytes_as_vllm_032s_own() -> None:
+def test_vllm_033s_own_module_source_gives_the_trainer_the_same_bytes_as_032s(vllm_next_base: Any) -> None:
     from vllm.distributed.weight_transfer.base import ModuleSource
 
     from ckpt_vllm.weight_transfer.trainer_engine import source_weights
@@ -446,7 +421,32 @@ def test_a_033_source_gives_the_trainer_the_same_bytes_as_vllm_032s_own() -> Non
     def pairs(source: Any) -> list[tuple[str, bytes]]:
         return [(name, t.contiguous().view(torch.uint8).numpy().tobytes()) for name, t in source_weights(source)]
 
-    assert pairs(_Source033(module)) == pairs(ModuleSource(module)) != []
+    next_source = vllm_next_base.ModuleSource(module)
+    assert not hasattr(type(next_source), "__iter__"), "0.33's source is not iterable: the trainer must call iter_full"
+    assert pairs(next_source) == pairs(ModuleSource(module)) != []
     assert pairs(ModuleSource(module)) == pairs(ModuleSource(module)), "every call is a fresh pass"
     with pytest.raises(InvalidArgumentError, match="iter_full\\(\\) in vLLM 0.33, iterable in 0.32"):
         source_weights(object())
+
+
+def test_the_trainer_engine_meets_vllm_033s_trainer_side_contract(vllm_next_base: Any) -> None:
+    """What vLLM 0.33's factory and RL tooling call on a trainer engine and its init info: no
+    abstract method of 0.33's ``TrainerWeightTransferEngine`` left unimplemented, ``trainer_init``
+    taking ``(init_info, *, client, source)``, ``send_weights()`` taking no argument (it replays
+    the source), and every field of 0.33's ``TrainerInitInfo`` (``rank``, keyword-only)."""
+    import dataclasses
+    import inspect
+
+    from ckpt_vllm.weight_transfer.trainer_engine import CkptTrainerInitInfo, CkptTrainerWeightTransferEngine
+
+    class OnNextBase(CkptTrainerWeightTransferEngine, vllm_next_base.TrainerWeightTransferEngine):  # type: ignore[misc]
+        pass
+
+    assert not OnNextBase.__abstractmethods__
+    info = CkptTrainerInitInfo(rank=0, transport="gloo_cpu", bucket_size_bytes=1 << 20)
+    inspect.signature(OnNextBase.trainer_init).bind(info, client=object(), source=None)
+    inspect.signature(OnNextBase.send_weights).bind(OnNextBase(client=object()))
+    fields = {field.name: field for field in dataclasses.fields(CkptTrainerInitInfo)}
+    for field in dataclasses.fields(vllm_next_base.TrainerInitInfo):
+        assert field.name in fields and fields[field.name].kw_only == field.kw_only, field.name
+    assert CkptTrainerInitInfo.backend and info.is_sender
