@@ -1,17 +1,20 @@
-"""A refit's own worker thread: the blocking pipeline runs there, the engine's coroutines await it.
+"""A refit's worker thread: the blocking pipeline runs there, the engine's coroutines await it.
 
 ``BucketedEngine.send_weights`` and ``receive_weight_batches`` are coroutines, but a refit
 blocks on its transport (slots, payloads, up to ``timeout_s`` each). :class:`RefitThread` runs
-each such step on one dedicated thread per refit and lets the event loop await it, so other
-coroutines of the caller's loop keep running for the whole refit.
+each such step on one thread and lets the event loop await it, so other coroutines of the
+caller's loop keep running for the whole refit.
 
 One thread serves a whole refit (never a pool): a receive's generator is advanced one batch
 per call on it, so thread-local state (the CUDA device and stream the caller had, which the
-thread adopts when it starts) stays the same from the first bucket to the last.
+thread adopts when the refit starts) stays the same from the first bucket to the last. The
+thread is a :class:`RefitCarrier`, which an engine keeps from one refit to the next: starting
+a thread costs a small refit a third of a millisecond, most of it waiting for the new thread
+to be scheduled, where handing a waiting one its next refit costs a wake-up.
 
 Cancellation: :meth:`RefitThread.stop` asks a step still running to stop (``cancel``, which the
 pipeline checks before each weight and bucket), waits for it, runs the refit's cleanup on the
-thread, and joins the thread, each within a deadline.
+thread, and waits for the refit to end there, each within a deadline.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ T = TypeVar("T")
 
 _Request = tuple[Callable[[], Any], "concurrent.futures.Future[Any]"]
 
+_RETIRE_JOIN_S = 1.0  # an idle carrier wakes and returns at once; this only bounds a stalled machine
+
 
 def _caller_cuda() -> tuple[int, Any] | None:
     """The calling thread's CUDA device and its current stream, where CUDA is initialized
@@ -43,17 +48,59 @@ def _caller_cuda() -> tuple[int, Any] | None:
     return device, torch.cuda.current_stream(device)
 
 
-class RefitThread:
-    """One refit's worker thread; built (and started) on the caller's thread.
+class RefitCarrier:
+    """A daemon thread that runs one :class:`RefitThread` at a time and waits between them; an
+    engine keeps one across its refits (:meth:`usable` says whether the next refit may use it).
 
-    ``idle_s`` bounds how long the thread waits for its next step (a consumer that does not
-    ask for the next batch): past it, the thread runs ``on_idle`` (if set) and ends, and
-    later steps raise ``TransferTimeoutError``. ``stop_s`` bounds how long :meth:`stop` waits
-    for a step to stop and the thread to end."""
+    A refit whose step or cleanup did not end within its stop deadline keeps its carrier busy,
+    so the engine starts another for the next refit and retires this one: it ends once that
+    refit does."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.busy = False
+        """A refit is handed to it and has not ended (written by its thread, read by the engine's)."""
+        self._retired = False
+        self._refits: queue.SimpleQueue[RefitThread | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self.thread.start()
+
+    def usable(self) -> bool:
+        """Whether the next refit may run here: not busy, not retired, and its thread alive
+        (it is not where this process was forked after it started)."""
+        return not self.busy and not self._retired and self.thread.is_alive()
+
+    def carry(self, refit: RefitThread) -> None:
+        self.busy = True
+        self._refits.put(refit)
+
+    def retire(self) -> None:
+        """End the thread: at once if it is idle (joined here, unless called on it), else
+        once the refit it runs has ended. Idempotent."""
+        if not self._retired:
+            self._retired = True
+            self._refits.put(None)
+        if not self.busy and self.thread is not threading.current_thread():
+            self.thread.join(_RETIRE_JOIN_S)
+
+    def _serve(self) -> None:
+        while (refit := self._refits.get()) is not None:
+            refit.serve()
+            if self._retired:
+                return
+
+
+class RefitThread:
+    """One refit's worker thread: its steps run on ``carrier`` (handed this refit at once).
+
+    ``idle_s`` bounds how long the refit waits for its next step (a consumer that does not
+    ask for the next batch): past it, the carrier runs ``on_idle`` (if set) and the refit ends
+    there, and later steps raise ``TransferTimeoutError``. ``stop_s`` bounds how long
+    :meth:`stop` waits for a step to stop and the refit to end."""
 
     def __init__(
         self,
-        name: str,
+        carrier: RefitCarrier,
         *,
         idle_s: float,
         stop_s: float,
@@ -69,16 +116,17 @@ class RefitThread:
         self._current: concurrent.futures.Future[Any] | None = None
         self._ended: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._idled = False
-        self._idle_lock = threading.Lock()  # no step is queued once the thread idled out
+        self._idle_lock = threading.Lock()  # no step is queued once the refit idled out
         self._cuda = _caller_cuda()
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._thread.start()
+        self._carrier = carrier
+        carrier.carry(self)
 
     @property
     def thread(self) -> threading.Thread:
-        return self._thread
+        return self._carrier.thread
 
-    def _serve(self) -> None:
+    def serve(self) -> None:
+        """The refit's steps, on the carrier's thread, until :meth:`stop` or ``idle_s``."""
         try:
             if self._cuda is not None:
                 device, stream = self._cuda
@@ -110,6 +158,7 @@ class RefitThread:
                 else:
                     future.set_result(result)
         finally:
+            self._carrier.busy = False  # before the refit is seen to end: the next one may use it
             self._ended.set_result(None)
 
     async def run(self, call: Callable[[], T]) -> T:
@@ -126,12 +175,13 @@ class RefitThread:
         return await asyncio.wrap_future(future)
 
     async def stop(self, cleanup: Callable[[], None] | None = None) -> None:
-        """End the refit's thread: a step still running (its awaiting task was cancelled) is
-        cancelled and waited for, then ``cleanup`` runs on the thread, then the thread ends.
-        Each wait is bounded by ``stop_s`` in all; further cancellation of the calling task
-        is held back until the thread ended (then raised), so the transport is never dropped
-        under a running step. A thread that outlives the deadline is reported, not waited
-        for: ``TransferTimeoutError``, or a ``RuntimeWarning`` when the caller was cancelled."""
+        """End the refit: a step still running (its awaiting task was cancelled) is cancelled
+        and waited for, then ``cleanup`` runs on the thread, then the refit ends there (its
+        carrier waits for the next). Each wait is bounded by ``stop_s`` in all; further
+        cancellation of the calling task is held back until the refit ended (then raised), so
+        the transport is never dropped under a running step. A refit that outlives the
+        deadline is reported, not waited for (its carrier is retired): ``TransferTimeoutError``,
+        or a ``RuntimeWarning`` when the caller was cancelled."""
         deadline = time.monotonic() + self.stop_s
         cancelled = False
         current = self._current
@@ -147,10 +197,10 @@ class RefitThread:
         if done is not None:
             cancelled |= await _wait(done, deadline)
         cancelled |= await _wait(self._ended, deadline)
-        self._thread.join(max(0.0, min(1.0, deadline - time.monotonic())))
-        if self._thread.is_alive():
+        if not self._ended.done():
+            self._carrier.retire()  # it ends once this refit does; the engine starts another
             message = (
-                f"the refit thread {self._thread.name!r} did not stop within {self.stop_s:g}s "
+                f"the refit thread {self._carrier.name!r} did not stop within {self.stop_s:g}s "
                 "(a weights generator or transport call that does not return); it is left running"
             )
             if cancelled:

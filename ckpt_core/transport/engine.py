@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import threading
 import uuid
+import weakref
 from collections.abc import AsyncGenerator, Generator, Iterable, Mapping
 from typing import Any, ClassVar, TypeVar
 
@@ -40,7 +41,7 @@ from ckpt_core.refit.stage import Destinations, RefitStage, Stream, Weights, sta
 from ckpt_core.stats import RefitContext, RefitStats, Role
 from ckpt_core.transport._init_checks import checked_metadata
 from ckpt_core.transport._lifecycle import Lifecycle, Phase
-from ckpt_core.transport._refit_thread import RefitThread
+from ckpt_core.transport._refit_thread import RefitCarrier, RefitThread
 from ckpt_core.transport.engine_options import ENGINE_OPTIONS
 from ckpt_core.transport.hooks import TransportHooks
 
@@ -136,6 +137,7 @@ class BucketedEngine(TransportHooks, CheckpointEngine):
         self._engine_id = ""
         self._sender: BucketSender | Mapping[int, BucketSender] | None = None
         self._receiver: BucketReceiver | None = None
+        self._carrier: RefitCarrier | None = None  # the refit thread, kept from one refit to the next
         # What the last refit sent and received, replayed where the next one repeats it. Kept
         # across finalize() (NeMo RL finalizes after every refit with release_after_refit):
         # a record is replayed only under the settings it was made with, and a receiver reuses
@@ -226,11 +228,13 @@ class BucketedEngine(TransportHooks, CheckpointEngine):
         self._life.enter(Phase.ROLLOUT, rollout_rank)
 
     def finalize(self) -> None:
-        """Release buffers, connections and groups; with ``release_after_refit``, also the
-        cached memory (see the class docstring). Idempotent; ``prepare()`` may follow."""
+        """Release buffers, connections and groups, and end the refit thread; with
+        ``release_after_refit``, also the cached memory (see the class docstring). Idempotent;
+        ``prepare()`` may follow."""
         try:
             self._drop_transport()
         finally:
+            self._retire_carrier()
             self._life.finalized()
             self._plan = None
             for stage in self._stages:
@@ -296,27 +300,43 @@ class BucketedEngine(TransportHooks, CheckpointEngine):
             self._drop_transport()
         except Exception:  # noqa: BLE001 - the refit's own error is what the caller needs
             pass
+        self._retire_carrier()
+
+    def _retire_carrier(self) -> None:
+        """A failed or finalized engine holds no thread (a refit after the next init starts one)."""
+        carrier, self._carrier = self._carrier, None
+        if carrier is not None:
+            carrier.retire()
 
     def _refit_thread(self, role: Role, **kwargs: Any) -> RefitThread:
         """The thread one refit of this engine runs on (see :mod:`ckpt_core.transport._refit_thread`):
-        it waits at most ``timeout_s`` for its next step; stopping it (a cancelled refit: the
+        the engine's carrier, kept from one refit to the next until the engine fails or is
+        finalized. The refit waits
+        at most ``timeout_s`` for its next step; stopping it (a cancelled refit: the
         step in flight may finish a transport wait, then abort, each wait bounded by
         ``timeout_s``) is bounded by ``4 * timeout_s`` plus a margin."""
         name = f"ckpt-refit-{self.backend_name}-{role}-{self._life.rank}"
-        return RefitThread(name, idle_s=self.timeout_s, stop_s=4 * self.timeout_s + 10.0, **kwargs)
+        carrier = self._carrier
+        if carrier is None or carrier.name != name or not carrier.usable():
+            if carrier is not None:
+                carrier.retire()
+            carrier = self._carrier = RefitCarrier(name)
+            weakref.finalize(self, carrier.retire)  # an engine dropped unfinalized ends its thread too
+        return RefitThread(carrier, idle_s=self.timeout_s, stop_s=4 * self.timeout_s + 10.0, **kwargs)
 
     async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None]) -> None:
         """Send one refit. Never blocks the event loop: the transfer runs on a thread of its
-        own (one per refit, ended before this returns), and the coroutine awaits it. The
-        weights generator is iterated on that thread, with the CUDA device and stream current
-        where this was called (when CUDA is initialized); refit hooks fire there too. A policy
-        rank without a receiver drains ``weights`` there (its iterator may run collectives
-        with the ranks that do send). Errors are raised here with their own types.
+        own (the engine's, kept from one refit to the next; the refit ends there before this
+        returns), and the coroutine awaits it. The weights generator is iterated on that
+        thread, with the CUDA device and stream current where this was called (when CUDA is
+        initialized); refit hooks fire there too. A policy rank without a receiver drains
+        ``weights`` there (its iterator may run collectives with the ranks that do send).
+        Errors are raised here with their own types.
 
         Cancelling the task awaiting this voids the refit: the transfer stops before its next
         weight or bucket (a transport wait in progress ends first, within ``timeout_s``), the
-        receivers are sent an abort (they fail with ``RemoteRefitError``), the thread is
-        joined, and the engine is failed (``finalize()``, then ``prepare()`` and init again)
+        receivers are sent an abort (they fail with ``RemoteRefitError``), the refit's thread
+        is ended, and the engine is failed (``finalize()``, then ``prepare()`` and init again)
         before ``CancelledError`` is raised.
 
         A yielded tensor must keep its memory and bytes while the sender may still read it:
@@ -405,12 +425,12 @@ class BucketedEngine(TransportHooks, CheckpointEngine):
         (the engine must be re-initialized; the transport, and with it any lent buffer, is
         dropped then).
 
-        Never blocks the event loop: the refit runs on a thread of its own (one per refit),
-        advanced one batch per ``__anext__`` and idle while the consumer holds a batch, so it
-        never runs ahead of the consumer (a lent buffer is refilled only once the next batch
-        is asked for). Refit hooks fire on that thread. A consumer that does not ask for the
-        next batch within ``timeout_s`` voids the refit (its sender would time out meanwhile):
-        the next ``__anext__`` raises ``TransferTimeoutError``.
+        Never blocks the event loop: the refit runs on a thread of its own (the engine's, kept
+        from one refit to the next), advanced one batch per ``__anext__`` and idle while the
+        consumer holds a batch, so it never runs ahead of the consumer (a lent buffer is
+        refilled only once the next batch is asked for). Refit hooks fire on that thread. A
+        consumer that does not ask for the next batch within ``timeout_s`` voids the refit (its
+        sender would time out meanwhile): the next ``__anext__`` raises ``TransferTimeoutError``.
 
         Stopping early (``aclose()``, or cancelling the task awaiting ``__anext__``, whose
         transport wait in progress ends first, within ``timeout_s``) fails the engine, drops
