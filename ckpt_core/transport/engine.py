@@ -138,6 +138,7 @@ class BucketedEngine(TransportHooks, CheckpointEngine):
         self._sender: BucketSender | Mapping[int, BucketSender] | None = None
         self._receiver: BucketReceiver | None = None
         self._carrier: RefitCarrier | None = None  # the refit thread, kept from one refit to the next
+        self._carrier_finalizer: weakref.finalize[Any, Any] | None = None  # retires it if the engine is dropped
         # What the last refit sent and received, replayed where the next one repeats it. Kept
         # across finalize() (NeMo RL finalizes after every refit with release_after_refit):
         # a record is replayed only under the settings it was made with, and a receiver reuses
@@ -307,21 +308,23 @@ class BucketedEngine(TransportHooks, CheckpointEngine):
         carrier, self._carrier = self._carrier, None
         if carrier is not None:
             carrier.retire()
+        if self._carrier_finalizer is not None:
+            self._carrier_finalizer.detach()
+            self._carrier_finalizer = None
 
     def _refit_thread(self, role: Role, **kwargs: Any) -> RefitThread:
         """The thread one refit of this engine runs on (see :mod:`ckpt_core.transport._refit_thread`):
         the engine's carrier, kept from one refit to the next until the engine fails or is
-        finalized. The refit waits
-        at most ``timeout_s`` for its next step; stopping it (a cancelled refit: the
-        step in flight may finish a transport wait, then abort, each wait bounded by
-        ``timeout_s``) is bounded by ``4 * timeout_s`` plus a margin."""
+        finalized. The refit waits at most ``timeout_s`` for its next step; stopping it (a
+        cancelled refit: the step in flight may finish a transport wait, then abort, each wait
+        bounded by ``timeout_s``) is bounded by ``4 * timeout_s`` plus a margin."""
         name = f"ckpt-refit-{self.backend_name}-{role}-{self._life.rank}"
         carrier = self._carrier
         if carrier is None or carrier.name != name or not carrier.usable():
-            if carrier is not None:
-                carrier.retire()
+            self._retire_carrier()
             carrier = self._carrier = RefitCarrier(name)
-            weakref.finalize(self, carrier.retire)  # an engine dropped unfinalized ends its thread too
+            # An engine dropped unfinalized ends its thread too.
+            self._carrier_finalizer = weakref.finalize(self, carrier.retire)
         return RefitThread(carrier, idle_s=self.timeout_s, stop_s=4 * self.timeout_s + 10.0, **kwargs)
 
     async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None]) -> None:
