@@ -1,5 +1,5 @@
 """What it takes to run verl's own ``CheckpointEngineManager`` and ``CheckpointEngineWorker``
-without a GPU: the tests and ``benchmarks.verl_sync`` drive them with these.
+without a GPU: the tests drive them with these.
 
 verl's manager syncs an actor worker group into rollout replicas. Of the actor worker it uses
 two registered methods, ``update_weights(global_steps, mode)`` and
