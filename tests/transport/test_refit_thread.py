@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -51,7 +52,7 @@ def test_a_failed_refit_ends_the_thread_and_the_next_init_starts_another() -> No
     for engine in (policy, rollout):
         engine.finalize()
     metadata = [policy.prepare(), rollout.prepare()]
-    sizes = {"train_world_size": 1, "rollout_world_size": 1, "metadata": metadata}
+    sizes: dict[str, Any] = {"train_world_size": 1, "rollout_world_size": 1, "metadata": metadata}
     policy.init_policy_process_group(worker_rank=0, **sizes)
     rollout.init_rollout_process_group(rollout_rank=0, **sizes)
     weights = ThreadRecorder()
