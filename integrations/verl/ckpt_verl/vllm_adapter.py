@@ -102,19 +102,19 @@ class CkptVllmServerAdapter(BaseRollout):
         or any iterable of pairs), its weight version ``str(global_steps)`` (``None``: the
         server's own count). Returns when the server serves them; raises the refit's error
         otherwise, the server keeping its previous weights."""
-        if wire_format != "named_tensors":
-            raise InvalidArgumentError(
-                f"{type(self).__name__} takes wire_format='named_tensors' (full tensors), got {wire_format!r}: "
-                "select a checkpoint engine that sends whole tensors"
-            )
-        if kwargs.get("peft_config") is not None:
-            raise InvalidArgumentError(
-                f"{type(self).__name__}: LoRA adapters are refitted through ckpt-vllm's send_adapter, not "
-                "update_weights; sync merged weights (peft merge) here"
-            )
-        pairs = _blocking(weights, asyncio.get_running_loop(), self.timeout_s)
-        version = None if global_steps is None else str(global_steps)
         try:
+            if wire_format != "named_tensors":
+                raise InvalidArgumentError(
+                    f"{type(self).__name__} takes wire_format='named_tensors' (full tensors), got {wire_format!r}: "
+                    "select a checkpoint engine that sends whole tensors"
+                )
+            if kwargs.get("peft_config") is not None:
+                raise InvalidArgumentError(
+                    f"{type(self).__name__}: LoRA adapters are refitted through ckpt-vllm's send_adapter, not "
+                    "update_weights; sync merged weights (peft merge) here"
+                )
+            pairs = _blocking(weights, asyncio.get_running_loop(), self.timeout_s)
+            version = None if global_steps is None else str(global_steps)
             if self._trainer is None:
                 self._trainer = await asyncio.to_thread(self._connect)
             trainer = self._trainer
@@ -125,7 +125,7 @@ class CkptVllmServerAdapter(BaseRollout):
                 raise
         finally:
             close = getattr(weights, "aclose", None)
-            if close is not None:  # a receive the refit left unfinished ends here, not at its deadline
+            if close is not None:  # a receive left unfinished (refused, failed) ends here, not at its deadline
                 await close()
 
     def _connect(self) -> Any:
