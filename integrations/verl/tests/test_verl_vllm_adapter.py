@@ -72,14 +72,14 @@ def test_the_server_size_and_bucket_come_from_verls_rollout_config() -> None:
 def test_what_it_cannot_install_is_refused_and_the_receive_ends_at_once(kwargs: dict[str, Any], match: str) -> None:
     received = Received()
 
-    async def sync() -> None:
+    async def sync() -> bool:
         weights = received.weights()
         await weights.__anext__()  # a receive under way, as the worker hands it over
-        await adapter().update_weights(weights, global_steps=3, **kwargs)
+        with pytest.raises(InvalidArgumentError, match=match):
+            await adapter().update_weights(weights, global_steps=3, **kwargs)
+        return received.closed_early  # before asyncio.run closes what is left open
 
-    with pytest.raises(InvalidArgumentError, match=match):
-        asyncio.run(sync())
-    assert received.closed_early, "the checkpoint engine's receive was left to run out its deadline"
+    assert asyncio.run(sync()), "the checkpoint engine's receive was left to run out its deadline"
 
 
 def test_a_connected_adapter_travels_as_its_settings() -> None:
