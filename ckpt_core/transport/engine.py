@@ -323,8 +323,9 @@ class BucketedEngine(TransportHooks, CheckpointEngine):
         if carrier is None or carrier.name != name or not carrier.usable():
             self._retire_carrier()
             carrier = self._carrier = RefitCarrier(name)
-            # An engine dropped unfinalized ends its thread too.
+            # An engine dropped unfinalized ends its thread too (at exit, daemon threads just stop).
             self._carrier_finalizer = weakref.finalize(self, carrier.retire)
+            self._carrier_finalizer.atexit = False
         return RefitThread(carrier, idle_s=self.timeout_s, stop_s=4 * self.timeout_s + 10.0, **kwargs)
 
     async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None]) -> None:
