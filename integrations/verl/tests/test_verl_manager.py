@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -63,6 +65,17 @@ def recorded_or_nothing(directory: Path, rank: int, global_steps: int) -> dict[s
         return recorded(directory, rank, global_steps)
     except FileNotFoundError:
         return {}
+
+
+def pid(actor: Any) -> int:
+    """The process of a Ray actor (this machine's: the cluster is local)."""
+    return int(ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=GATHER_S))
+
+
+def ended_outcome(trainer: Any) -> dict[str, Any]:
+    """A trainer's last sync's outcome once it ended (``{}`` while it runs)."""
+    outcome: dict[str, Any] = ray.get(trainer.last_outcome.remote(), timeout=GATHER_S)
+    return outcome if "at" in outcome else {}
 
 
 def pool(workers: int) -> RayResourcePool:
@@ -175,10 +188,11 @@ def test_a_rollout_told_another_step_refuses_the_weights_and_the_next_sync_is_wh
 @pytest.mark.parametrize("victim", ["rollout", "trainer"])
 def test_a_killed_worker_fails_the_sync_in_time_and_the_next_is_whole(setup: Setup, victim: str) -> None:
     """A slow trainer's sync (48 weights, 50 ms apart) loses a rollout worker or the sending
-    trainer rank. verl's ``update_weights`` raises Ray's error for the lost actor at once; every
-    surviving worker of the transfer (the other rollout, or both; the sender) ends in a typed
-    transfer error within timeout_s. verl then replaces the lost workers (``remove_replicas`` /
-    ``add_replicas``, or a new trainer group) and the next sync is whole."""
+    trainer rank (SIGKILL) half a second into its send, before its first bucket is posted.
+    verl's ``update_weights`` raises Ray's error for the lost actor at once; every surviving
+    worker of the transfer (the other rollout, or both; the sender) ends in a typed transfer
+    error within timeout_s. verl then replaces the lost workers (``remove_replicas`` / ``add_replicas``, or a new
+    trainer group) and the next sync is whole."""
     step = {"rollout": 20, "trainer": 30}[victim]
     setup.pace(tensors=48, delay_s=0.05)
     manager = setup.manager()
@@ -192,22 +206,28 @@ def test_a_killed_worker_fails_the_sync_in_time_and_the_next_is_whole(setup: Set
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    time.sleep(1.5)  # the sync is under way
+    sender = setup.trainers.workers[0]
+    deadline = time.monotonic() + GATHER_S
+    while ray.get(sender.last_outcome.remote(), timeout=GATHER_S).get("global_steps") != step:
+        assert time.monotonic() < deadline, "the sync never reached the trainer's send"
+        time.sleep(0.05)
+    victim_pid = pid(setup.replicas[1].workers[0] if victim == "rollout" else sender)
+    time.sleep(0.5)  # the send is under way (its weights come over 2.4 s), whatever the rebuild took
     killed_at = time.monotonic()
-    ray.kill(setup.replicas[1].workers[0] if victim == "rollout" else setup.trainers.workers[0])
+    os.kill(victim_pid, signal.SIGKILL)  # at once (ray.kill only asks Ray to)
     thread.join(GATHER_S)
     assert not thread.is_alive(), "verl's update_weights did not return"
     # Ray's gather raises at the first failed worker: the killed one's.
     assert isinstance(outcome.get("error"), ray.exceptions.RayActorError), repr(outcome.get("error"))
-    survivors: dict[str, Callable[[], dict[str, Any]]] = {
+    reports: dict[str, Callable[[], dict[str, Any]]] = {
         f"replica {rank}": functools.partial(recorded_or_nothing, setup.directory, rank, step)
         for rank in ((0,) if victim == "rollout" else (0, 1))
     }
     if victim == "rollout":  # trainer rank 0 sends; rank 1 drains its generator, sending to no one
-        survivors["trainer 0"] = lambda: ray.get(setup.trainers.workers[0].last_outcome.remote(), timeout=GATHER_S)
+        reports["trainer 0"] = lambda: ended_outcome(sender)
     deadline = killed_at + TIMEOUT_S + 10
-    for who, report in survivors.items():
-        while "at" not in (ended := report()) and time.monotonic() < deadline:
+    for who, report in reports.items():
+        while not (ended := report()) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert ended.get("error") in {cls.__name__ for cls in TRANSFER_ERRORS}, (who, ended)
         assert ended["at"] < deadline, f"{who} ended {ended['at'] - killed_at:.1f}s after the kill"
