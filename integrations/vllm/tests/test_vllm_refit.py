@@ -125,6 +125,7 @@ class RefitsIntoVllm:
             coordinator = RefitCoordinator(pool, num_policy=1, num_rollout=rollout.world_size, timeout_s=CALL_TIMEOUT_S)
             coordinator.setup()
             try:
+                cloned = 0
                 for k in range(REFITS):
                     train(trainer)
                     report = coordinator.refit()
@@ -133,11 +134,12 @@ class RefitsIntoVllm:
                     assert rollout.weight_version == k + 1 and all(s["current"] for s in rollout.status())
                     for rank_report in report.rollout:
                         assert rank_report["tensors"] == len(checkpoints["digests"][k])
-                        stats = rank_report["stats"]
+                        cloned += rank_report["pending_cloned_bytes"]
                         if borrowed:  # every byte came in a bucket (the sender packed for a borrower)
-                            assert rank_report["pending_cloned_bytes"] > 0 and stats["direct_chunks"] == 0, rank_report
-                        else:
-                            assert rank_report["pending_cloned_bytes"] == 0, rank_report
+                            assert rank_report["stats"]["direct_chunks"] == 0, rank_report
+                # Which layers span two batches depends on where buckets close, and a weight slow
+                # to come (a loaded machine) closes one early: summed over the refits and ranks.
+                assert (cloned > 0) if borrowed else (cloned == 0), cloned
             finally:
                 coordinator.finalize()
 
