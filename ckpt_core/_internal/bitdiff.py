@@ -6,17 +6,22 @@ parallel parts over the usable cores (:mod:`ckpt_core._internal.parallel`), with
 by numba (:mod:`ckpt_core._internal.bitdiff_kernels`, imported on first use):
 
 * :func:`find`: the elements whose bits differ between two versions, laid out as a patch's
-  wire form, and the new version's digest, in one pass over both (each leaf is hashed while
-  the comparison has it in cache);
+  wire form, and the new version's digest: from the old version's digest, in time that
+  follows the changed words, or hashed whole in the same pass (each leaf while the comparison
+  has it in cache);
 * :func:`patch`: a patch written into a tensor in place (the overwritten values kept on
   request), its positions checked as it goes;
 * :func:`count` and :func:`count_and_refresh`: the changed elements in a few ranges (a
   screening sample), read only, or against a kept copy of them, which is refreshed;
-* :func:`digest`: the leaf digest of a tensor's bytes.
+* :func:`digest`: the word digest of a tensor's bytes.
 
-**Leaf digest.** The bytes are cut into leaves of :data:`LEAF_BYTES`; the digest is xxh3_64 of
-the byte count and each leaf's xxh3_64 (little-endian ``uint64`` each). Leaves let every core
-hash a part of one tensor, and let a sender hash what its comparison just read.
+**Word digest.** The bytes are read as little-endian 64-bit words (the last one padded with
+zero bytes); the digest is the sum, mod 2**64, of one term per word (the word, keyed by its
+index, through splitmix64's finalizer) and a term of the byte count. A sum can be hashed in
+parts on every core, and it moves by each changed word's new term less its old one: a sender
+that knows its copy's digest has the new version's from the words it found changed, without
+hashing the rest (the receiver still hashes its whole copy, which is what catches a copy that
+differs from the sender's). Work runs in leaves of :data:`LEAF_BYTES`.
 """
 
 from __future__ import annotations
@@ -28,7 +33,6 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from ckpt_core._internal.parallel import run_parts, usable_cores
 
@@ -72,7 +76,7 @@ def _warm_up() -> None:
             old = np.zeros(64, dtype=value_dtype)
             new = old.copy()
             new[3] = 1
-            for update in (False, True):
+            for update, old_digest in ((False, None), (True, None), (True, 0)):
                 find(
                     old.copy(),
                     new,
@@ -81,6 +85,7 @@ def _warm_up() -> None:
                     prefix=8,
                     with_digest=True,
                     update=update,
+                    old_digest=old_digest,
                 )
             patch(old.copy(), np.array([3], dtype=np.int32), new[3:4], keep=True, with_digest=True)
             patch(old.copy(), np.array([3], dtype=np.int32), new[3:4], keep=False, with_digest=False)
@@ -101,7 +106,7 @@ class Found:
     (when ``over``: more than it was allowed; it stopped early, having compared only part of
     them); unless over, ``blob`` (``prefix`` bytes left for the caller, the positions, zeros up
     to a multiple of 8 bytes, the values: see :func:`layout`),
-    when asked for, the new version's leaf ``digest``, and with ``update``, ``saved``: the old
+    when asked for, the new version's word ``digest``, and with ``update``, ``saved``: the old
     version's values at the positions (writing them back at the positions undoes the update)."""
 
     count: int
@@ -128,25 +133,33 @@ def find(
     prefix: int,
     with_digest: bool,
     update: bool = False,
+    old_digest: int | None = None,
 ) -> Found:
     """The elements of ``new`` whose bits differ from ``old`` (1-D integer arrays of one dtype
-    and length), unless more than ``max_changed`` do; with ``with_digest``, ``new``'s leaf
-    digest too. With ``update``, ``old`` is made equal to ``new`` as it is compared (the
+    and length), unless more than ``max_changed`` do; with ``with_digest``, ``new``'s word
+    digest too: from ``old_digest`` (``old``'s, if given and both arrays' words are their own,
+    8-byte aligned) and the changed words alone, else hashed whole, leaf by leaf, in the same
+    pass. With ``update``, ``old`` is made equal to ``new`` as it is compared (the
     changed elements written in, their old values kept in ``Found.saved``), unless the count
     is over, when ``old`` is left as it was. Stops early (every part) once over."""
     compiled = kernels()
     numel = new.shape[0]
     width = new.itemsize
     lanes, head, old_words, new_words = _words(old, new)
+    own_words = _own_words(new) and (lanes > 1 or width == 8)  # then head is 0
+    incremental = with_digest and old_digest is not None and own_words
+    hashed = with_digest and not incremental and own_words  # hashed whole beside the comparison
     leaf = LEAF_BYTES // width
     leaves = -(-numel // leaf)
     parts = _parts(numel * width, leaves)
     counts = [0] * parts
-    new_bytes = new.view(np.uint8)
     no_saved = np.empty(0, dtype=new.dtype)
+    no_change = np.empty(0, dtype=np.uint64)
+    tail_before = _tail_term(old) if incremental else 0  # before an update overwrites it
 
     def part(index: int) -> _Part:
         result = _Part(_Scratch.take(position_dtype, new.dtype, saved=update))
+        change = np.zeros(1 if incremental else 0, dtype=np.uint64)
         scratch = result.scratch
         try:
             for number in range(leaves * index // parts, leaves * (index + 1) // parts):
@@ -167,6 +180,7 @@ def find(
                         scratch.saved if update else no_saved,
                         result.count,
                         scratch.capacity,
+                        change if incremental else no_change,
                     )
                     if found >= 0:
                         break
@@ -182,13 +196,15 @@ def find(
                 if sum(counts) > max_changed:  # with the other parts' counts so far: over already
                     result.over = True
                     return result
-                if with_digest:
-                    result.digests.append(xxhash.xxh3_64_intdigest(new_bytes[start * width : stop * width].data))
+                if hashed:
+                    words = new_words[start // lanes : stop // lanes].view(np.uint64)
+                    result.terms += int(compiled.word_sum(words, start // lanes))
         except BaseException:
             if update:
                 result.undo(old, 0, result.count)
             scratch.give_back()
             raise
+        result.terms += int(change[0]) if incremental else 0
         return result
 
     results = run_parts(part, parts)
@@ -214,7 +230,15 @@ def find(
             saved[at : at + count] = scratch.saved[:count]
         at += count
         scratch.give_back()
-    digest = _combine(numel * width, [d for result in results for d in result.digests]) if with_digest else None
+    digest = None
+    terms = sum(result.terms for result in results)
+    if incremental:
+        assert old_digest is not None
+        digest = (old_digest + terms + _tail_term(new) - tail_before) & _MASK
+    elif hashed:
+        digest = (terms + _tail_term(new) + _length_term(numel * width)) & _MASK
+    elif with_digest:  # words not its own: hashed apart
+        digest = _digest_bytes(new.view(np.uint8))
     return Found(count=total, over=False, compared=numel, blob=blob, digest=digest, saved=saved if update else None)
 
 
@@ -223,15 +247,15 @@ def patch(
 ) -> tuple[np.ndarray | None, int | None]:
     """``held[positions] = values`` in place (1-D arrays; ``values`` of ``held``'s dtype), the
     positions strictly ascending and inside ``held``; returns, with ``keep``, the values it
-    overwrote (writing them back undoes it) and, with ``with_digest``, ``held``'s leaf digest
+    overwrote (writing them back undoes it) and, with ``with_digest``, ``held``'s word digest
     after the write, each leaf hashed as soon as it is patched. A position out of order or out
     of range is a ``ValueError``, raised after whatever was written was put back (with
     ``keep``; without, the positions are the caller's own, made by :func:`find`)."""
     compiled = kernels()
     count, size, width = positions.shape[0], held.shape[0], held.itemsize
     saved = np.empty(count if keep else 0, dtype=held.dtype)
-    held_bytes = held.view(np.uint8)
-    if with_digest:
+    words = _word_view(held) if with_digest else None  # None: hashed apart, once patched
+    if words is not None:
         leaf = LEAF_BYTES // width
         leaves = -(-size // leaf)
         parts = _parts(size * width, leaves)
@@ -244,12 +268,12 @@ def patch(
     if leaves and bool((firsts[1:] < firsts[:-1]).any()):  # unsorted: the parts would not cover every entry
         raise ValueError(f"the patch's {count} positions do not ascend")
 
-    def part(index: int) -> tuple[int, int, list[int]]:
+    def part(index: int) -> tuple[int, int, int]:
         """Patches and hashes one part's leaves; returns its entries' range as written (its
-        end short of the part's where an entry was bad) and its leaves' digests."""
+        end short of the part's where an entry was bad) and its leaves' digest terms."""
         lo_leaf, hi_leaf = leaves * index // parts, leaves * (index + 1) // parts
         lo, written = int(firsts[lo_leaf]), int(firsts[lo_leaf])
-        digests: list[int] = []
+        terms = 0
         for number in range(lo_leaf, hi_leaf):
             hi = int(firsts[number + 1])
             if hi > written:
@@ -258,17 +282,14 @@ def patch(
                     held, positions[written:hi], values[written:hi], saved[written:hi] if keep else saved, after
                 )
                 if bad >= 0:
-                    return lo, written + bad, digests
+                    return lo, written + bad, terms
                 written = hi
-            if with_digest:
-                digests.append(
-                    xxhash.xxh3_64_intdigest(
-                        held_bytes[number * leaf * width : min(size, (number + 1) * leaf) * width].data
-                    )
-                )
-        return lo, written, digests
+            if words is not None:
+                first = number * leaf * width // 8
+                terms += int(compiled.word_sum(words[first : min(size, (number + 1) * leaf) * width // 8], first))
+        return lo, written, terms
 
-    results = run_parts(part, parts) if leaves else [(0, 0, [])]
+    results = run_parts(part, parts) if leaves else [(0, 0, 0)]
     ends = [int(firsts[leaves * (index + 1) // parts]) for index in range(len(results))]
     bad = [written for (_, written, _), end in zip(results, ends) if written != end]
     if bad or (not leaves and count):
@@ -280,7 +301,12 @@ def patch(
             f"patch entry {first} holds position {int(positions[first])}: positions must ascend strictly, within "
             f"the {size} elements"
         )
-    digest_value = _combine(size * width, [d for _, _, digests in results for d in digests]) if with_digest else None
+    digest_value = None
+    if words is not None:
+        total = sum(part_terms for _, _, part_terms in results)
+        digest_value = (total + _tail_term(held) + _length_term(size * width)) & _MASK
+    elif with_digest:
+        digest_value = _digest_bytes(held.view(np.uint8))
     return (saved if keep else None), digest_value
 
 
@@ -298,23 +324,77 @@ def count_and_refresh(sample: np.ndarray, new: np.ndarray, starts: np.ndarray, l
 
 
 def digest(data: np.ndarray) -> int:
-    """The leaf digest of ``data``'s bytes (a 1-D ``uint8`` array), hashed in parallel parts."""
+    """The word digest of ``data``'s bytes (a 1-D ``uint8`` array), hashed in parallel parts."""
+    return _digest_bytes(data)
+
+
+_MASK = (1 << 64) - 1
+_POSITION_KEY, _MIX_1, _MIX_2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_LENGTH_INDEX = _MASK  # the byte count's term is keyed by an index no word has
+
+
+def _term(index: int, word: int) -> int:
+    """One word's term (:func:`ckpt_core._internal.bitdiff_kernels.word_term`, in Python)."""
+    x = word ^ (index * _POSITION_KEY & _MASK)
+    x = (x ^ (x >> 30)) * _MIX_1 & _MASK
+    x = (x ^ (x >> 27)) * _MIX_2 & _MASK
+    return x ^ (x >> 31)
+
+
+def _length_term(nbytes: int) -> int:
+    return _term(_LENGTH_INDEX, nbytes)
+
+
+def _tail_term(elements: np.ndarray) -> int:
+    """The term of the word that the last ``nbytes % 8`` bytes of ``elements`` start (zero
+    bytes pad it); 0 where there are none."""
+    data = elements.view(np.uint8)
+    whole = data.shape[0] // 8 * 8
+    if whole == data.shape[0]:
+        return 0
+    return _term(whole // 8, int.from_bytes(data[whole:].tobytes().ljust(8, b"\0"), "little"))
+
+
+def _own_words(elements: np.ndarray) -> bool:
+    """Whether ``elements``' whole 64-bit words start at its first byte (8-byte aligned)."""
+    return elements.ctypes.data % 8 == 0
+
+
+def _word_view(elements: np.ndarray) -> np.ndarray | None:
+    """``elements``' whole words as ``uint64`` (a view), or ``None`` where it is not 8-byte
+    aligned."""
+    if not _own_words(elements):
+        return None
+    data = elements.view(np.uint8)
+    return data[: data.shape[0] // 8 * 8].view(np.uint64)
+
+
+def _digest_bytes(data: np.ndarray) -> int:
+    """The word digest of ``data`` (``uint8``): its words summed in parts, leaf by leaf (an
+    unaligned array's leaves copied to aligned memory first)."""
     size = data.shape[0]
-    leaves = -(-size // LEAF_BYTES)
+    words = _word_view(data)
+    leaf_words = LEAF_BYTES // 8
+    count = size // 8
+    leaves = -(-count // leaf_words)
     parts = _parts(size, leaves)
+    compiled = kernels()
 
-    def part(index: int) -> list[int]:
-        return [
-            xxhash.xxh3_64_intdigest(data[n * LEAF_BYTES : min(size, (n + 1) * LEAF_BYTES)].data)
-            for n in range(leaves * index // parts, leaves * (index + 1) // parts)
-        ]
+    def part(index: int) -> int:
+        terms = 0
+        bounce = np.empty(leaf_words if words is None else 0, dtype=np.uint64)
+        for number in range(leaves * index // parts, leaves * (index + 1) // parts):
+            first, stop = number * leaf_words, min(count, (number + 1) * leaf_words)
+            if words is not None:
+                chunk = words[first:stop]
+            else:
+                chunk = bounce[: stop - first]
+                chunk.view(np.uint8)[:] = data[first * 8 : stop * 8]
+            terms += int(compiled.word_sum(chunk, first))
+        return terms
 
-    return _combine(size, [d for digests in run_parts(part, parts) for d in digests])
-
-
-def _combine(nbytes: int, leaf_digests: list[int]) -> int:
-    words = np.array([nbytes, *leaf_digests], dtype="<u8")
-    return xxhash.xxh3_64_intdigest(words.tobytes())
+    terms = sum(run_parts(part, parts)) if leaves else 0
+    return (terms + _tail_term(data) + _length_term(size)) & _MASK
 
 
 def _parts(nbytes: int, units: int) -> int:
@@ -346,13 +426,13 @@ def _words(old: np.ndarray, new: np.ndarray) -> tuple[int, int, np.ndarray, np.n
 
 @dataclasses.dataclass
 class _Part:
-    """One part of a :func:`find`: its scratch, the entries it holds, its leaves' digests, and
-    whether the count was over when it stopped."""
+    """One part of a :func:`find`: its scratch, the entries it holds, the digest terms it
+    summed (its leaves', or its words' changes), and whether the count was over when it stopped."""
 
     scratch: _Scratch
     count: int = 0
     compared: int = 0  # elements of the leaves it finished
-    digests: list[int] = dataclasses.field(default_factory=list)
+    terms: int = 0
     over: bool = False
 
     def undo(self, old: np.ndarray, start: int, stop: int) -> None:

@@ -18,6 +18,30 @@ from numba import njit
 from numba.cpython.unsafe.numbers import trailing_zeros
 
 _BLOCK = 64  # words whose inequality is gathered into one 64-bit mask before any branch
+# The word digest's constants: the golden ratio's and splitmix64's finalizer's.
+_POSITION_KEY = np.uint64(0x9E3779B97F4A7C15)
+_MIX_1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX_2 = np.uint64(0x94D049BB133111EB)
+
+
+@njit(inline="always", nogil=True, cache=True)
+def word_term(index: Any, word: Any) -> Any:  # pragma: no cover - compiled
+    """One 64-bit word's term of the word digest (:mod:`ckpt_core._internal.bitdiff`): the
+    word, keyed by its index, through splitmix64's finalizer."""
+    x = np.uint64(word) ^ (np.uint64(index) * _POSITION_KEY)
+    x = (x ^ (x >> np.uint64(30))) * _MIX_1
+    x = (x ^ (x >> np.uint64(27))) * _MIX_2
+    return x ^ (x >> np.uint64(31))
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def word_sum(words: Any, first: int) -> Any:  # pragma: no cover - compiled
+    """The sum (mod 2**64) of the word digest's terms of ``words``, the first of index
+    ``first`` (a branch-free loop: it vectorizes, and runs at the memory's read speed)."""
+    total = np.uint64(0)
+    for j in range(words.shape[0]):
+        total += word_term(first + j, words[j])
+    return total
 
 
 @njit(nogil=True, cache=True, boundscheck=False)
@@ -35,6 +59,7 @@ def find_changes(
     saved: Any,
     count: int,
     capacity: int,
+    change: Any,
 ) -> int:  # pragma: no cover - compiled; run by tests/refit_kinds/test_delta.py
     """Append each element of ``[start, stop)`` whose bits differ between ``old`` and ``new``:
     its index to ``positions`` and its new bits to ``values``, from entry ``count`` on, in
@@ -45,11 +70,18 @@ def find_changes(
     to ``saved`` (entry for entry with ``positions``) and its new bits into ``old``, so that
     ``old`` ends equal to ``new`` over the range (writing ``saved`` back undoes it).
 
+    Where ``change`` is not empty (the words are the array's own: ``head`` is 0), each changed
+    whole word's change to the word digest (its new term less its old) is added to
+    ``change[0]``: the digest of ``new`` is then the digest of ``old`` plus it, in time that
+    follows the changed words (the elements past the last whole word are the caller's).
+
     Words are compared a block of 64 at a time into one mask whose set bits are then visited
     (no branch per word, so the cost follows the changed words, not the unchanged ones); a
     changed word's lanes are written without branching and counted where they differ."""
     n = count
     update = saved.shape[0] > 0
+    track = change.shape[0] > 0
+    moved = np.uint64(0)
     if start < head:
         first_word_element = head
     else:
@@ -78,8 +110,11 @@ def find_changes(
         for k in range(_BLOCK):
             mask |= np.uint64(old_block[i + k] != new_block[i + k]) << np.uint64(k)
         while mask:
-            element = head + (word + i + trailing_zeros(mask)) * lanes
+            at = i + trailing_zeros(mask)
+            element = head + (word + at) * lanes
             mask &= mask - np.uint64(1)
+            if track:  # the same branch every time: predicted
+                moved += word_term(word + at, new_block[at]) - word_term(word + at, old_block[at])
             for lane in range(lanes):
                 e = element + lane
                 was, now = old[e], new[e]
@@ -95,6 +130,8 @@ def find_changes(
     for j in range(i, words):
         if old_block[j] != new_block[j]:
             element = head + (word + j) * lanes
+            if track:
+                moved += word_term(word + j, new_block[j]) - word_term(word + j, old_block[j])
             for lane in range(lanes):
                 e = element + lane
                 was, now = old[e], new[e]
@@ -116,6 +153,8 @@ def find_changes(
                 saved[n] = old[x]
                 old[x] = new[x]
             n += 1
+    if track:
+        change[0] += moved
     return n
 
 

@@ -161,6 +161,32 @@ def test_positions_are_found_across_leaves_parts_and_on_the_device_path(
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("fraction", [0.0, 0.001, 0.05])
+@pytest.mark.parametrize("length", [9, 8 * 1024, 300_001])
+def test_a_comparison_given_the_old_digest_makes_the_new_one_from_the_changes(
+    dtype: torch.dtype, fraction: float, length: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sender that knows its copy's digest gets the new version's from the words it found
+    changed (the bytes past the last whole word included), over many leaves and parts, as it
+    would hash it whole; a view whose words are not its own (not 8-byte aligned) is hashed
+    whole."""
+    monkeypatch.setattr(bitdiff, "LEAF_BYTES", 4096)
+    monkeypatch.setattr(bitdiff, "PART_MIN_BYTES", 4096)
+    generator = torch.Generator().manual_seed(length)
+    old = random_tensor((length,), dtype, generator)
+    new, _ = changed_copy(old, fraction, generator)
+    copy = old.clone()
+    found = compare(copy, new, name="w", encoded=True, update=True, old_digest=digest(old))
+    assert found.patch is not None and found.digest == digest(new)
+    assert torch.equal(bits(copy), bits(new))
+    if dtype.itemsize < 8:  # one element in: neither version's words are its own
+        base, changed = old.new_empty(length + 1), new.new_empty(length + 1)
+        base[1:], changed[1:] = old, new
+        found = compare(base[1:], changed[1:], name="w", encoded=True, old_digest=digest(old))
+        assert found.digest == digest(new)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("offset", [0, 1, 3])
 @pytest.mark.parametrize("length", [1, 7, 8, 9, 23, 64, 67])
 def test_positions_are_every_differing_element_at_any_alignment_and_length(

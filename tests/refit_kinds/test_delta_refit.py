@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ckpt_core.errors import IntegrityError, LifecycleError, WireFormatError
-from ckpt_core.refit.delta import can_pay
+from ckpt_core.refit.delta import can_pay, digest
 from ckpt_core.refit.delta.baselines import (
     MANIFEST_NAME,
     PATCH_SUFFIX,
@@ -226,6 +226,26 @@ def test_a_receiver_holding_another_version_refuses_the_patches_and_a_whole_refi
         weights, stats = step(weights, 0.01, generator), RefitStats()
         assert_same(refit(sender, receiver, weights, stats), weights)
         assert stats.patched_tensors >= 6
+
+
+def test_the_senders_digests_follow_its_copies_across_refits_and_a_wrong_one_is_caught() -> None:
+    """The sender keeps each patched copy's digest and makes the next from the changes alone:
+    after refits at every fraction, each kept digest is its copy's; one that is not (a sender
+    bug) is caught by the receiver, which hashes its whole copy."""
+    generator = torch.Generator().manual_seed(5)
+    sender, receiver = DeltaSender(destination="rollout 0"), DeltaReceiver(source="policy 0")
+    weights = model(generator)
+    refit(sender, receiver, weights)
+    for fraction in [0.01, 0.0, 0.001, 0.01]:
+        weights = step(weights, fraction, generator)
+        assert_same(refit(sender, receiver, weights), weights)
+        patched = sender.baseline.digests
+        assert {"bf16", "fp32", "int64"} <= patched.keys()
+        for name, value in patched.items():
+            assert value == digest(sender.baseline.tensors[name]), name
+    sender.baseline.digests["bf16"] ^= 1
+    with pytest.raises(IntegrityError, match="bf16: patched from policy 0's patch, it does not match"):
+        list(receiver.decode(sender.encode(iter(step(weights, 0.01, generator).items()), RefitStats()), RefitStats()))
 
 
 def test_a_patch_that_does_not_give_the_senders_weight_is_an_integrity_error() -> None:

@@ -145,10 +145,13 @@ def compare(
     encoded: bool = False,
     update: bool = False,
     screen: bool = False,
+    old_digest: int | None = None,
 ) -> Comparison:
     """Compare two versions of a tensor (see :func:`diff`, which this generalises). With
     ``encoded``, the patch is made in its wire form, with the new version's digest, and
-    only where that form (digest and padding included) is fewer bytes than ``new``. With
+    only where that form (digest and padding included) is fewer bytes than ``new``; given
+    ``old_digest`` (``old``'s :func:`digest`), a host comparison makes the new version's
+    from the words that changed, without hashing the rest. With
     ``update`` (``old`` contiguous), ``old`` is patched into ``new`` in the same pass where a
     patch is made (``Comparison.undo`` puts it back), and left as it was where none is.
 
@@ -172,7 +175,7 @@ def compare(
         if changed * new.numel() > max_changed * compared:
             return Comparison(patch=None, changed=changed, compared=compared)
     if new.device.type == "cpu":
-        return _compare_host(bits_old, bits_new, new.dtype, max_changed, encoded, update)
+        return _compare_host(bits_old, bits_new, new.dtype, max_changed, encoded, update, old_digest)
     return _compare_device(bits_old, bits_new, new.dtype, max_changed, encoded, update)
 
 
@@ -270,7 +273,13 @@ def _most_changed(numel: int, width: int, *, encoded: bool) -> int:
 
 
 def _compare_host(
-    old: torch.Tensor, new: torch.Tensor, dtype: torch.dtype, max_changed: int, encoded: bool, update: bool
+    old: torch.Tensor,
+    new: torch.Tensor,
+    dtype: torch.dtype,
+    max_changed: int,
+    encoded: bool,
+    update: bool,
+    old_digest: int | None,
 ) -> Comparison:
     numel = new.numel()
     positions_dtype = position_dtype(numel)
@@ -284,6 +293,7 @@ def _compare_host(
         prefix=DIGEST_BYTES if encoded else 0,
         with_digest=encoded,
         update=update,
+        old_digest=old_digest,
     )
     if found.over:
         return Comparison(patch=None, changed=found.count, compared=found.compared)
@@ -427,8 +437,8 @@ def _apply(
 
 def digest(tensor: torch.Tensor) -> int:
     """A 64-bit digest of ``tensor``'s bytes, what a patched weight is checked against: the
-    leaf digest (xxh3, :mod:`ckpt_core._internal.bitdiff`) on the host, ckpt-engine's device
-    digest elsewhere."""
+    word digest (:mod:`ckpt_core._internal.bitdiff`) on the host, ckpt-engine's device digest
+    elsewhere."""
     data = tensor.contiguous().reshape(-1).view(torch.uint8)
     return bitdiff.digest(data.numpy()) if data.device.type == "cpu" else device_payload_checksum(data)
 

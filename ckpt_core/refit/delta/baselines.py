@@ -92,7 +92,7 @@ PATCH_SUFFIX = "\x00patch"
 """Appended to a weight's name when it travels as a patch."""
 UNTRACKED_SUFFIX = "\x00untracked"
 """Appended to a weight's name when it travels whole and neither side keeps a copy of it."""
-_FORMAT_VERSION = 4  # 2: untracked weights; 3: leaf digests, values 8-byte aligned; 4: released weights
+_FORMAT_VERSION = 5  # 2: untracked; 3: leaf digests, 8-byte aligned values; 4: released weights; 5: word digests
 
 
 class BaselineMismatchError(LifecycleError):
@@ -110,6 +110,9 @@ class Baseline:
 
     tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     version: str | None = None
+    digests: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The :func:`~ckpt_core.refit.delta.digest` of a copy, where its side made one (a sender's
+    copies it patched): its next comparison makes the new version's from the changes alone."""
 
     @property
     def nbytes(self) -> int:
@@ -126,6 +129,7 @@ class _Pending:
     base: Baseline
     version: str
     sent: dict[str, torch.Tensor | Patch] = dataclasses.field(default_factory=dict)
+    digests: dict[str, int] = dataclasses.field(default_factory=dict)  # of the copies patched
     names: set[str] = dataclasses.field(default_factory=set)  # every weight encoded, tracked or not
     compare_seconds: float = 0.0
     copy_seconds: float = 0.0  # copying weights sent whole and tracked
@@ -171,11 +175,12 @@ class _Pending:
         return name, tensor
 
     def committed(self) -> Baseline:
-        """The next baseline: each patched copy (patched already), each whole one's copy."""
+        """The next baseline: each patched copy (patched already, with its digest), each whole
+        one's copy."""
         tensors = {}
         for name, entry in self.sent.items():
             tensors[name] = self.base.tensors[name] if isinstance(entry, Patch) else entry
-        return Baseline(tensors, self.version)
+        return Baseline(tensors, self.version, dict(self.digests))
 
     def undo(self) -> None:
         """Put back every copy patched so far (newest first)."""
@@ -219,6 +224,7 @@ class DeltaSender:
         released = {name for name, held in base.tensors.items() if self._releases(name, held)}
         for name in released:
             del base.tensors[name]
+            base.digests.pop(name, None)
         yield MANIFEST_NAME, _manifest(base.version, pending.version, sorted(released))
         tracked_bytes = 0
         for name, tensor in pending.timed(weights):
@@ -250,15 +256,18 @@ class DeltaSender:
             # Screened first unless its last comparison found it well below the break-even.
             screen = history.fraction is None or 2 * history.fraction * tensor.numel() > most_changed(tensor)
             start = time.perf_counter()
-            found = compare(old, tensor, name=name, encoded=True, update=True, screen=screen)
+            found = compare(
+                old, tensor, name=name, encoded=True, update=True, screen=screen, old_digest=base.digests.get(name)
+            )
             pending.compare_seconds += time.perf_counter() - start
             history.fraction = found.changed / max(1, found.compared)
             if found.patch is None:  # no patch is fewer bytes: whole, and watched from now on
                 history.sample = take_sample(tensor, name=name)
                 yield pending.untracked(name, tensor, stats, chosen=True, released=True)
                 continue
-            assert found.undo is not None and found.encoded is not None
+            assert found.undo is not None and found.encoded is not None and found.digest is not None
             pending.sent[name] = found.undo
+            pending.digests[name] = found.digest
             pending.patched_bytes += nbytes
             pending.changed += found.changed
             _count_patch(stats, found.patch, tensor)
