@@ -2,8 +2,8 @@
 
 Sender: a :class:`~ckpt_core._internal.bucket_plan.BucketPlan` lays chunks out in buckets (closing one early
 at ``MAX_CHUNKS_PER_BUCKET`` chunks, so many small tensors stream instead of waiting for a full
-bucket, and after a weight that took ``SLOW_WEIGHT_S`` to come, so the wire works while the
-generator does; a tensor of at most ``KEEP_WHOLE_BYTES``, or any that fits a bucket when a
+bucket, and after slow weights that took ``SLOW_BUCKET_S`` in all to come, so the wire works
+while the generator does; a tensor of at most ``KEEP_WHOLE_BYTES``, or any that fits a bucket when a
 receiver borrows, opens a new bucket rather than being split over two). A chunk of at least
 ``direct_min_bytes`` goes *direct* when the transport allows it (``direct_chunks``): it is sent
 from the caller's tensor as a message of its own. Every other chunk is copied into the
@@ -69,10 +69,15 @@ while the sender packs the next instead of waiting for a whole bucket of them.""
 
 SLOW_WEIGHT_S = 1e-3
 """A weight that took this long or longer to come from the generator (a stage comparing it,
-quantizing it, a trainer gathering it), half of it working on the refit's thread, closes the
-bucket it is packed in: the bucket is posted as soon as the weight is packed, so the wire and
-the receivers work while the next one comes. (The thread's own time tells work from a thread
-the machine merely paused.)"""
+quantizing it, a trainer gathering it), half of it working on the refit's thread, is *slow*.
+(The thread's own time tells work from a thread the machine merely paused.)"""
+
+SLOW_BUCKET_S = 8e-3
+"""Once the slow weights packed in the open bucket took this long in all to come, the bucket
+is posted as soon as the last of them is packed, so the wire and the receivers work while the
+next ones come. Not at every slow weight: each bucket costs both sides a header, a hand-off
+and the transport's wake-ups (on two cores, that time is the comparisons'), and the receiver
+is at most this far behind the generator."""
 
 
 _THREAD_SAMPLE_S = SLOW_WEIGHT_S / 4
@@ -97,10 +102,10 @@ class _Clock:
         if self._wall - self._sampled >= _THREAD_SAMPLE_S:
             self._sampled, self._thread = self._wall, time.thread_time()
 
-    def slow(self) -> bool:
-        return (
-            time.perf_counter() - self._wall >= SLOW_WEIGHT_S and time.thread_time() - self._thread >= SLOW_WEIGHT_S / 2
-        )
+    def slow(self) -> float:
+        """The weight's wall time to come if it was slow, else 0."""
+        wall = time.perf_counter() - self._wall
+        return wall if wall >= SLOW_WEIGHT_S and time.thread_time() - self._thread >= SLOW_WEIGHT_S / 2 else 0.0
 
 
 KEEP_WHOLE_BYTES = 64 << 10
@@ -152,7 +157,8 @@ def send_refit(
             bucket_size, max_chunks=MAX_CHUNKS_PER_BUCKET, keep_whole=packer.keep_whole, open_bucket=open_bucket
         )
         chunks = plan.chunks(rest)
-        slow = False  # the weight being packed took SLOW_WEIGHT_S or more to come
+        slow = 0.0  # the weight being packed took this long to come (0: less than SLOW_WEIGHT_S)
+        slow_in_bucket = 0.0  # the open bucket's slow weights took this long to come
         clock = _Clock()
         while True:
             clock.ask()
@@ -161,7 +167,7 @@ def send_refit(
                 break
             if meta.chunk_offset == 0:
                 slow = clock.slow() or packer.slow_first
-                packer.slow_first = False
+                packer.slow_first = 0.0
                 refit.check_cancel()
                 if seen is None:
                     seen = packer.replayed_names()
@@ -173,12 +179,16 @@ def send_refit(
                 stats.tensors += 1
             if packer.opens_bucket(meta):
                 packer.post(last=False)
+                slow_in_bucket = 0.0
             packer.add(meta, chunk)
             if slow and meta.chunk_offset + meta.chunk_size == meta.nbytes:
-                # The next weight will likely be as slow to come: the receivers take this one
-                # meanwhile, instead of waiting for a full bucket.
-                packer.post(last=False)
-                plan.close_bucket()
+                slow_in_bucket += slow
+                if slow_in_bucket >= SLOW_BUCKET_S:
+                    # The next weights will likely be as slow to come: the receivers take these
+                    # meanwhile, instead of waiting for a full bucket.
+                    packer.post(last=False)
+                    plan.close_bucket()
+                    slow_in_bucket = 0.0
         packer.finish()
     except TransferError as exc:
         packer.forget()
@@ -226,7 +236,7 @@ class _BucketPacker:
         if record is not None:
             record.start()
         self.replayed: list[RecordedBucket] = []  # buckets of the record this refit repeated
-        self.slow_first = False  # replay stopped at a weight that took SLOW_WEIGHT_S to come
+        self.slow_first = 0.0  # replay stopped at a weight this slow to come (0: none)
         self.host_base: int | None = None
         self.bucket_index = 0
         self.chunks: list[TensorMeta] = []
@@ -340,8 +350,9 @@ class _BucketPacker:
                     clock.ask()
                     item = next(weights, _END)
                     found = replays(item, meta) if item is not _END else None
-                    if found is not None and clock.slow():
-                        found, self.slow_first = None, True  # the general path posts it once packed
+                    took = clock.slow() if found is not None else 0.0
+                    if took:
+                        found, self.slow_first = None, took  # the general path counts it once packed
                     if found is None:
                         self._replayed(tensors, start)
                         self._adopt(bucket, index - 1)

@@ -1254,7 +1254,7 @@ TENSOR_CASES: list[Case] = [
         "weight-freed-after-yield",
         "a generator freeing each weight once the next is asked for, weights sent direct (gloo_cpu)",
         # Which weight is caught first depends on the generator's pace: a weight that took
-        # SLOW_WEIGHT_S to come has its bucket posted (and its storage checked) at once.
+        # weights that took SLOW_BUCKET_S to come have their bucket posted (and storage checked) at once.
         refit_outcome(lambda k: frees_previous(12, WEIGHT_ELEMENTS)),
         (UnsupportedTensorError,),
         r"weight 'w\d+' was freed \(its storage now holds 0 bytes\) after it was yielded and before the sender read it",
