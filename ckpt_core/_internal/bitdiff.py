@@ -16,8 +16,8 @@ by numba (:mod:`ckpt_core._internal.bitdiff_kernels`, imported on first use):
 * :func:`digest`: the word digest of a tensor's bytes.
 
 **Word digest.** The bytes are read as little-endian 64-bit words (the last one padded with
-zero bytes); the digest is the sum, mod 2**64, of one term per word (the word, keyed by its
-index, through splitmix64's finalizer) and a term of the byte count. A sum can be hashed in
+zero bytes); the digest is the sum, mod 2**64, of one term per word (the product of its two
+32-bit halves, each keyed by the word's index, plus the word) and a term of the byte count. A sum can be hashed in
 parts on every core, and it moves by each changed word's new term less its old one: a sender
 that knows its copy's digest has the new version's from the words it found changed, without
 hashing the rest (the receiver still hashes its whole copy, which is what catches a copy that
@@ -329,16 +329,16 @@ def digest(data: np.ndarray) -> int:
 
 
 _MASK = (1 << 64) - 1
-_POSITION_KEY, _MIX_1, _MIX_2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_LOW_32 = (1 << 32) - 1
+_LOW_KEY, _HIGH_KEY = 0x9E3779B9, 0x85EBCA6B
 _LENGTH_INDEX = _MASK  # the byte count's term is keyed by an index no word has
 
 
 def _term(index: int, word: int) -> int:
     """One word's term (:func:`ckpt_core._internal.bitdiff_kernels.word_term`, in Python)."""
-    x = word ^ (index * _POSITION_KEY & _MASK)
-    x = (x ^ (x >> 30)) * _MIX_1 & _MASK
-    x = (x ^ (x >> 27)) * _MIX_2 & _MASK
-    return x ^ (x >> 31)
+    low = (word ^ ((index + _LOW_KEY) & _MASK)) & _LOW_32
+    high = ((word >> 32) ^ (index ^ _HIGH_KEY)) & _LOW_32
+    return (low * high + word) & _MASK
 
 
 def _length_term(nbytes: int) -> int:
