@@ -292,3 +292,51 @@ def test_weights_that_come_slowly_are_posted_once_they_took_slow_bucket_s() -> N
     finally:
         policy.finalize()
         rollout.finalize()
+
+
+def test_a_bucket_is_handed_on_before_the_next_header_when_the_sender_is_still_making_it() -> None:
+    """A receiver whose transport moves payloads only once posted (not shared memory) finishes
+    bucket k while bucket k + 1 arrives; where the sender has not posted k + 1 yet (its next
+    weights are slow to come), it finishes bucket k at once instead of waiting for that header.
+    The generator here holds its next weight until the first is handed on."""
+    source = small_weights(11, count=3)
+    policy, rollout = connected_pair(1 << 20)
+    handed_on: list[str] = []
+    waited_s: list[float] = []
+
+    def held_back() -> Iterator[tuple[str, torch.Tensor]]:
+        for index, item in enumerate(source):
+            if index == 0:  # slow work: its bucket is posted once it is packed
+                until = time.thread_time() + SLOW_BUCKET_S
+                while time.thread_time() < until:
+                    pass
+            if index == 1:  # until the first weight's bucket was handed on, or 5 s
+                start = time.monotonic()
+                while not handed_on and time.monotonic() - start < 5.0:
+                    time.sleep(0.001)
+                waited_s.append(time.monotonic() - start)
+            yield item
+
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            asyncio.run(policy.send_weights(held_back()))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    async def receive() -> None:
+        async for batch in rollout.receive_weight_batches():
+            handed_on.extend(name for name, _ in batch)
+
+    sender = threading.Thread(target=send, daemon=True)
+    try:
+        sender.start()
+        asyncio.run(receive())
+        sender.join(30.0)
+        assert not sender.is_alive() and not errors
+        assert handed_on == [name for name, _ in source]
+        assert waited_s and waited_s[0] < 5.0  # handed on while the next weight was held back
+    finally:
+        policy.finalize()
+        rollout.finalize()
