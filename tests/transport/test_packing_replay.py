@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 
 import pytest
 import torch
@@ -304,7 +304,7 @@ def test_a_bucket_is_handed_on_before_the_next_header_when_the_sender_is_still_m
     handed_on: list[str] = []
     waited_s: list[float] = []
 
-    def held_back() -> Iterator[tuple[str, torch.Tensor]]:
+    def held_back() -> Generator[tuple[str, torch.Tensor], None, None]:
         for index, item in enumerate(source):
             if index == 0:  # slow work: its bucket is posted once it is packed
                 until = time.thread_time() + SLOW_BUCKET_S
