@@ -118,13 +118,6 @@ class BucketReceiver(abc.ABC):
         when the current bucket's bytes are. Called after ``post_payload`` of a bucket that is
         not the refit's last, never twice without a ``recv_header`` between. Default: nothing."""
 
-    def header_arrived(self) -> bool:
-        """Whether the header ``expect_header`` asked for is here already (never blocks). Where
-        it is not, the pipeline finishes the bucket before it at once instead of waiting for it
-        (the sender is still making the next bucket: there is no transfer to overlap). Default:
-        True (the pipeline waits for each header before finishing the bucket before it)."""
-        return True
-
     @abc.abstractmethod
     def post_payload(self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()) -> None:
         """Start receiving the payload announced by the last header: ``nbytes`` into

@@ -5,8 +5,7 @@ arrives: output tensors are allocated, and direct chunks are received straight i
 bucket ``k`` arrives, bucket ``k - 1`` is verified, its packed chunks are copied out of their
 slot, the slot is released to the sender, and the tensors it completed are yielded (a transport
 whose payloads are readable as soon as their header arrives has each bucket finished at once,
-and bucket ``k - 1`` is finished before bucket ``k``'s header arrives where the transport says
-it has not yet: the sender is still making it).
+and so has a bucket its sender posted *paced*, early, its next weights being slow to come).
 
 A receiver given a :class:`ReceiveMemo` reuses the checked decoding of a chunk list byte-equal to
 the one it had for that bucket, and the runs it planned for a bucket of small whole tensors.
@@ -143,12 +142,6 @@ class _BucketStream:
         bucket_index = 0
         while True:
             self.refit.check_cancel()
-            if previous is not None and not self.receiver.header_arrived():
-                # The sender is still making the next bucket: nothing to overlap with this one.
-                batch, previous = self._finish(previous), None
-                if batch:
-                    yield batch
-                self._take_back()
             bucket = self._plan(self._next_header(bucket_index))
             with timed(self.stats, "transfer_seconds"):
                 if bucket.direct:
@@ -169,7 +162,7 @@ class _BucketStream:
                 self._take_back()
             with timed(self.stats, "transfer_seconds"):
                 self.receiver.wait_payload(bucket.slot, self.refit.timeout_s)
-            if eager:
+            if eager or bucket.header.paced:  # paced: the next bucket is a while away
                 batch = self._finish(bucket)
                 if batch:
                     yield batch

@@ -186,7 +186,7 @@ def send_refit(
                 if slow_in_bucket >= SLOW_BUCKET_S:
                     # The next weights will likely be as slow to come: the receivers take these
                     # meanwhile, instead of waiting for a full bucket.
-                    packer.post(last=False)
+                    packer.post(last=False, paced=True)
                     plan.close_bucket()
                     slow_in_bucket = 0.0
         packer.finish()
@@ -424,8 +424,9 @@ class _BucketPacker:
         if self.record is not None:
             self.record.complete(self.settings)
 
-    def post(self, *, last: bool) -> None:
-        """Post the open bucket: the slot's packed bytes, then its direct chunks."""
+    def post(self, *, last: bool, paced: bool = False) -> None:
+        """Post the open bucket: the slot's packed bytes, then its direct chunks (``paced``:
+        early, the next weights being slow to come; see ``BucketHeader``)."""
         refit = self.refit
         refit.check_cancel()
         for name, chunk in zip(self.direct_names, self.direct):  # their bytes are read from now on
@@ -443,6 +444,7 @@ class _BucketPacker:
             last=last,
             chunks=chunks,
             checksum=digest,
+            paced=paced,
         )
         encoded = self.repeated.encoded if self.repeated is not None else encode_chunks(chunks)
         raw = encode_header(header, encoded_chunks=encoded)

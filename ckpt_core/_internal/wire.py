@@ -2,8 +2,8 @@
 
 A header is two compact JSON objects joined by a newline (compact JSON never contains one):
 
-* the envelope: format version, refit and bucket index, payload size, ``last``, checksum and
-  ``abort``, which change from refit to refit;
+* the envelope: format version, refit and bucket index, payload size, ``last``, ``paced``,
+  checksum and ``abort``, which change from refit to refit;
 * the chunk list, column by column (names, shapes, dtypes, chunk offsets and sizes, offsets in
   the packed payload, ``null`` for a direct chunk), which keeps encoding and decoding cheap for
   buckets of many tiny tensors, and which repeats from one refit to the next: a receiver with a
@@ -28,15 +28,15 @@ from ckpt_core.contract import TensorMeta, checked_meta, tensor_geometry
 from ckpt_core.errors import WireFormatError
 from ckpt_core.tensors import dtype_name
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 """Raised whenever a byte layout between peers changes (this header, or a transport's framing:
 3 added the distributed transports' fixed-size header frames, 4 split the header into an
-envelope and a chunk list). Peers check it at init."""
+envelope and a chunk list, 5 added ``paced``). Peers check it at init."""
 MAX_HEADER_BYTES = 64 << 20
 """Upper bound on an encoded header (about 500k chunks); a larger length is refused unread."""
 
 _COLUMNS = ("names", "shapes", "dtypes", "chunk_offsets", "chunk_sizes", "offsets")
-_ENVELOPE = ("format", "refit", "bucket", "nbytes", "last", "checksum", "abort")
+_ENVELOPE = ("format", "refit", "bucket", "nbytes", "last", "paced", "checksum", "abort")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,9 @@ class BucketHeader:
     ``payload_nbytes`` bytes of the bucket buffer carry packed data; a chunk's ``offset``
     places it inside them, or is ``None`` for a direct chunk, which travels as a message of its
     own after the packed payload (see :mod:`ckpt_core._internal.bucket_io`). ``last`` marks the
-    refit's final bucket. ``checksum`` is the digest of the packed
+    refit's final bucket. ``paced``: the sender posted it early because its weights come
+    slowly, so the next bucket is a while away (the receiver finishes this one at once instead
+    of overlapping it with the next one's transfer). ``checksum`` is the digest of the packed
     payload and the direct chunks (see ``ckpt_core._internal.pipeline.bucket_digest``), or ``None`` when
     the sender has checksums off. ``abort`` carries the sender's error message
     when it gave up on the refit; such a header has no chunks and no payload.
@@ -59,6 +61,7 @@ class BucketHeader:
     chunks: tuple[TensorMeta, ...] = ()
     checksum: int | None = None
     abort: str | None = None
+    paced: bool = False
 
 
 def encode_header(header: BucketHeader, *, encoded_chunks: bytes | None = None) -> bytes:
@@ -70,6 +73,7 @@ def encode_header(header: BucketHeader, *, encoded_chunks: bytes | None = None) 
         "bucket": header.bucket_index,
         "nbytes": header.payload_nbytes,
         "last": header.last,
+        "paced": header.paced,
         "checksum": header.checksum,
         "abort": header.abort,
     }
@@ -155,6 +159,9 @@ def decode_header(
     last = doc["last"]
     if not isinstance(last, bool):
         raise WireFormatError(f"bucket header 'last' must be a bool, got {last!r}")
+    paced = doc["paced"]
+    if not isinstance(paced, bool):
+        raise WireFormatError(f"bucket header 'paced' must be a bool, got {paced!r}")
     checksum = doc["checksum"]
     if checksum is not None and not _is_uint(checksum):
         raise WireFormatError(f"bucket header 'checksum' must be an int >= 0 or null, got {checksum!r}")
@@ -170,7 +177,7 @@ def decode_header(
         chunks = _decode_chunks(columns, nbytes, bucket_size)
         if memo is not None:
             memo.store(bucket, encoded, bucket_size, chunks)
-    return BucketHeader(refit, bucket, nbytes, last, chunks, checksum, abort)
+    return BucketHeader(refit, bucket, nbytes, last, chunks, checksum, abort, paced)
 
 
 def _object(raw: bytes, what: str) -> dict[str, Any]:

@@ -77,10 +77,6 @@ class InProcessLink:
             raise PeerLostError(f"the {self._closed_by} closed the link")
         return item
 
-    def header_waiting(self) -> bool:
-        """Whether a posted header (or the close) waits for the receiver."""
-        return not self._headers.empty()
-
     def release(self, slot: int) -> None:
         with self._cond:
             self._busy[slot] = False
@@ -140,9 +136,6 @@ class InProcessReceiver(BucketReceiver):
 
     def buffer(self, slot: int) -> torch.Tensor:
         return self.link.buffers[slot]
-
-    def header_arrived(self) -> bool:
-        return self.link.header_waiting()
 
     def recv_header(self, timeout_s: float) -> bytes:
         header, slot, nbytes, self._sent_direct = self.link.next_header(timeout_s)

@@ -219,9 +219,6 @@ class DistributedReceiver(BucketReceiver):
             link = self.link
             self._frame_in_flight = [link.post(link.control, self._frame, _FRAME_TAG, "receiving a bucket header")]
 
-    def header_arrived(self) -> bool:
-        return not self._frame_in_flight or self._frame_in_flight[0].is_completed()
-
     def recv_header(self, timeout_s: float) -> bytes:
         self.expect_header()
         link = self.link

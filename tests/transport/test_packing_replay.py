@@ -294,11 +294,11 @@ def test_weights_that_come_slowly_are_posted_once_they_took_slow_bucket_s() -> N
         rollout.finalize()
 
 
-def test_a_bucket_is_handed_on_before_the_next_header_when_the_sender_is_still_making_it() -> None:
+def test_a_bucket_posted_paced_is_handed_on_before_the_next_one_comes() -> None:
     """A receiver whose transport moves payloads only once posted (not shared memory) finishes
-    bucket k while bucket k + 1 arrives; where the sender has not posted k + 1 yet (its next
-    weights are slow to come), it finishes bucket k at once instead of waiting for that header.
-    The generator here holds its next weight until the first is handed on."""
+    bucket k while bucket k + 1 arrives; a bucket the sender posted paced (its weights come
+    slowly) it finishes at once instead, without waiting for the next one's header. The
+    generator here holds its next weight until the first is handed on."""
     source = small_weights(11, count=3)
     policy, rollout = connected_pair(1 << 20)
     handed_on: list[str] = []
