@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Generator, Iterable
 from pathlib import Path
@@ -170,8 +171,11 @@ class RecordingAdapter(BaseRollout):
             received = {"error": type(exc).__name__, "message": str(exc), "at": time.monotonic()}
             raise
         finally:
+            # Written whole, then renamed: a test polling for the record never reads half of it.
             path = self.directory / f"replica{self.replica_rank}-step{global_steps}.json"
-            path.write_text(json.dumps(received))
+            partial = path.with_suffix(".partial")
+            partial.write_text(json.dumps(received))
+            os.replace(partial, path)
 
     async def resume(self, tags: list[str]) -> None:
         """Nothing is released, so nothing to resume."""
