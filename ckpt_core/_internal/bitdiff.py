@@ -230,16 +230,18 @@ def find(
             saved[at : at + count] = scratch.saved[:count]
         at += count
         scratch.give_back()
-    digest = None
+    digest_value = None
     terms = sum(result.terms for result in results)
     if incremental:
         assert old_digest is not None
-        digest = (old_digest + terms + _tail_term(new) - tail_before) & _MASK
+        digest_value = (old_digest + terms + _tail_term(new) - tail_before) & _MASK
     elif hashed:
-        digest = (terms + _tail_term(new) + _length_term(numel * width)) & _MASK
+        digest_value = (terms + _tail_term(new) + _length_term(numel * width)) & _MASK
     elif with_digest:  # words not its own: hashed apart
-        digest = _digest_bytes(new.view(np.uint8))
-    return Found(count=total, over=False, compared=numel, blob=blob, digest=digest, saved=saved if update else None)
+        digest_value = digest(new.view(np.uint8))
+    return Found(
+        count=total, over=False, compared=numel, blob=blob, digest=digest_value, saved=saved if update else None
+    )
 
 
 def patch(
@@ -306,7 +308,7 @@ def patch(
         total = sum(part_terms for _, _, part_terms in results)
         digest_value = (total + _tail_term(held) + _length_term(size * width)) & _MASK
     elif with_digest:
-        digest_value = _digest_bytes(held.view(np.uint8))
+        digest_value = digest(held.view(np.uint8))
     return (saved if keep else None), digest_value
 
 
@@ -321,11 +323,6 @@ def count_and_refresh(sample: np.ndarray, new: np.ndarray, starts: np.ndarray, l
     """:func:`count` of ``sample`` (those ranges of an earlier ``new``, one after the other)
     against ``new``; ``sample`` then holds ``new``'s ranges."""
     return int(kernels().count_refresh(sample, new, starts, length))
-
-
-def digest(data: np.ndarray) -> int:
-    """The word digest of ``data``'s bytes (a 1-D ``uint8`` array), hashed in parallel parts."""
-    return _digest_bytes(data)
 
 
 _MASK = (1 << 64) - 1
@@ -369,9 +366,9 @@ def _word_view(elements: np.ndarray) -> np.ndarray | None:
     return data[: data.shape[0] // 8 * 8].view(np.uint64)
 
 
-def _digest_bytes(data: np.ndarray) -> int:
-    """The word digest of ``data`` (``uint8``): its words summed in parts, leaf by leaf (an
-    unaligned array's leaves copied to aligned memory first)."""
+def digest(data: np.ndarray) -> int:
+    """The word digest of ``data``'s bytes (a 1-D ``uint8`` array): its words summed in
+    parallel parts, leaf by leaf (an unaligned array's leaves copied to aligned memory first)."""
     size = data.shape[0]
     words = _word_view(data)
     leaf_words = LEAF_BYTES // 8
