@@ -29,12 +29,22 @@ Topologies (:class:`~ckpt_core.topology.Topology` says who feeds whom):
 
 Per bucket: a header frame (``HEADER_FRAME_BYTES``: the header's length, then as much of the
 header as fits), the rest of a longer header, the packed payload, then each direct chunk
-(received straight into its output tensor), each a send/recv (paired) or a broadcast
+(received straight into its output tensor), each a send/recv (paired, fanout) or a broadcast
 (broadcast). A frame has a fixed size so a receiver can post the next one before the bytes of
 the current bucket have arrived (``expect_header``): when they have, the next header is there,
 and the link does not idle for a header's round trip between buckets. Headers travel on the
 control group (always Gloo, on the host); payloads on the data group (Gloo for host buffers,
 NCCL for device ones).
+
+A pair whose payloads ride the control group (Gloo, host buffers, paired or fanout) sends a
+bucket's frame and packed payload as *one* message: each slot is a frame followed by its
+buffer, and the receiver posts its next slot whole as soon as that slot is free. Gloo takes a
+message smaller than the posted buffer, so the payload's size need not be known in advance;
+and a message whose receive was posted first moves at once, where one posted after the header
+arrived waits for Gloo's own round trip (on a small refit, the frame's round trip and Gloo's
+together were 0.4-0.9 ms). The payload is then readable when the header is
+(``payload_ready_with_header``). A broadcast cannot do this (every member of a Gloo broadcast
+posts the same size), nor can a payload on another group.
 """
 
 from __future__ import annotations
@@ -111,6 +121,12 @@ class Link:
         self.broadcast = broadcast
         self.peer = peer  # who is on the other side, for error messages
 
+    @property
+    def frames_carry_payload(self) -> bool:
+        """Whether a bucket's packed payload travels in its header frame's message (see the
+        module docstring): point-to-point, and payloads on the control group."""
+        return not self.broadcast and self.data is self.control
+
     def release(self) -> None:
         """Drop this link's groups. Gloo closes a group's sockets only when the group object is
         destroyed (``shutdown()`` does not), and peers notice a failure only then."""
@@ -161,8 +177,15 @@ class DistributedSender(BucketSender):
 
     def __init__(self, link: Link, bucket_size: int, device: torch.device) -> None:
         self.link = link
-        self._buffers = bucket_buffers(self.num_slots, bucket_size, device)
-        self._frames = [torch.zeros(HEADER_FRAME_BYTES, dtype=torch.uint8) for _ in range(self.num_slots)]
+        self._framed = link.frames_carry_payload
+        if self._framed:  # each slot: its frame, then its buffer, sent as one message
+            self._slots = bucket_buffers(self.num_slots, HEADER_FRAME_BYTES + bucket_size, device)
+            self._frames = [whole[:HEADER_FRAME_BYTES] for whole in self._slots]
+            self._buffers = [whole[HEADER_FRAME_BYTES:] for whole in self._slots]
+        else:
+            self._buffers = bucket_buffers(self.num_slots, bucket_size, device)
+            self._slots = []
+            self._frames = [torch.zeros(HEADER_FRAME_BYTES, dtype=torch.uint8) for _ in range(self.num_slots)]
         self._in_flight: list[list[Any]] = [[] for _ in range(self.num_slots)]
         self._sending: list[list[torch.Tensor]] = [[] for _ in range(self.num_slots)]
 
@@ -177,13 +200,15 @@ class DistributedSender(BucketSender):
         struct.pack_into("<Q", view, 0, len(header))
         view[8 : 8 + min(len(header), _FRAME_ROOM)] = header[:_FRAME_ROOM]
         link = self.link
-        works = [link.post(link.control, frame, _FRAME_TAG, "sending a bucket")]
-        tensors = [frame]  # alive until the sends complete
+        packed = nbytes and not self._framed  # framed: the payload rides the frame's message
+        message = self._slots[slot][: HEADER_FRAME_BYTES + nbytes] if self._framed else frame
+        works = [link.post(link.control, message, _FRAME_TAG, "sending a bucket")]
+        tensors = [message]  # alive until the sends complete
         if len(header) > _FRAME_ROOM:
             rest = torch.frombuffer(bytearray(header[_FRAME_ROOM:]), dtype=torch.uint8)
             works.append(link.post(link.control, rest, _HEADER_REST_TAG, "sending a bucket"))
             tensors.append(rest)
-        payloads = [self._buffers[slot][:nbytes], *direct] if nbytes else list(direct)
+        payloads = [self._buffers[slot][:nbytes], *direct] if packed else list(direct)
         for data in payloads:
             works.append(link.post(link.data, data, _PAYLOAD_TAG, "sending a bucket"))
             tensors.append(data)
@@ -197,7 +222,7 @@ class DistributedSender(BucketSender):
     def close(self) -> None:
         self._in_flight = [[] for _ in range(self.num_slots)]
         self._sending = [[] for _ in range(self.num_slots)]
-        self._buffers = []
+        self._buffers = self._frames = self._slots = []
         self.link.release()
 
 
@@ -206,24 +231,54 @@ class DistributedReceiver(BucketReceiver):
 
     def __init__(self, link: Link, bucket_size: int, device: torch.device) -> None:
         self.link = link
-        self._buffers = bucket_buffers(self.num_slots, bucket_size, device)
+        self._framed = self.payload_ready_with_header = link.frames_carry_payload
+        if self._framed:  # each slot: the frame its header arrives in, then its buffer
+            self._slots = bucket_buffers(self.num_slots, HEADER_FRAME_BYTES + bucket_size, device)
+            self._frames = [whole[:HEADER_FRAME_BYTES] for whole in self._slots]
+            self._buffers = [whole[HEADER_FRAME_BYTES:] for whole in self._slots]
+        else:
+            self._buffers = bucket_buffers(self.num_slots, bucket_size, device)
+            self._slots = []
+            self._frames = [torch.zeros(HEADER_FRAME_BYTES, dtype=torch.uint8)]
         self._in_flight: list[list[Any]] = [[] for _ in range(self.num_slots)]
-        self._frame = torch.zeros(HEADER_FRAME_BYTES, dtype=torch.uint8)
         self._frame_in_flight: list[Any] = []
+        self._frame_slot = 0  # the slot the next header arrives in (framed)
+        self._expected = False  # expect_header() ran and its frame awaits its slot's release
+        self._busy: set[int] = set()  # slots whose header arrived and the pipeline has not released
 
     def buffer(self, slot: int) -> torch.Tensor:
         return self._buffers[slot]
 
     def expect_header(self) -> None:
-        if not self._frame_in_flight:
-            link = self.link
-            self._frame_in_flight = [link.post(link.control, self._frame, _FRAME_TAG, "receiving a bucket header")]
+        if self._framed:
+            self._frame_slot = (self._frame_slot + 1) % self.num_slots
+        self._expected = True
+        self._post_frame()
+
+    def _post_frame(self) -> None:
+        """Post the receive of the next header's frame, unless it is posted or (framed) its
+        slot is still the pipeline's: ``release`` posts it then."""
+        if self._frame_in_flight or self._frame_slot in self._busy:
+            return
+        link = self.link
+        message = self._slots[self._frame_slot] if self._framed else self._frames[0]
+        self._frame_in_flight = [link.post(link.control, message, _FRAME_TAG, "receiving a bucket header")]
 
     def recv_header(self, timeout_s: float) -> bytes:
-        self.expect_header()
+        if not self._expected:  # a refit's first bucket: slot 0
+            self._frame_slot = 0
+        self._post_frame()
+        if not self._frame_in_flight:
+            raise LifecycleError(
+                f"a bucket header from {self.link.peer} is due in slot {self._frame_slot}, which the "
+                "refit has not released: the stream is out of step (finalize(), then init again)"
+            )
         link = self.link
         link.wait(self._frame_in_flight, timeout_s, "receiving a bucket header")
-        frame = self._frame.numpy()
+        self._expected = False
+        frame = self._frames[self._frame_slot if self._framed else 0].numpy()
+        if self._framed:
+            self._busy.add(self._frame_slot)
         (length,) = struct.unpack_from("<Q", frame.data)
         if not 0 < length <= MAX_HEADER_BYTES:
             raise WireFormatError(f"bucket header length {length} is outside (0, {MAX_HEADER_BYTES}]")
@@ -237,7 +292,8 @@ class DistributedReceiver(BucketReceiver):
 
     def post_payload(self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()) -> None:
         link = self.link
-        targets = [self._buffers[slot][:nbytes], *direct] if nbytes else list(direct)
+        packed = nbytes and not self._framed  # framed: the payload came with the header
+        targets = [self._buffers[slot][:nbytes], *direct] if packed else list(direct)
         self._in_flight[slot] = [
             link.post(link.data, target, _PAYLOAD_TAG, "receiving a bucket payload") for target in targets
         ]
@@ -245,10 +301,15 @@ class DistributedReceiver(BucketReceiver):
     def wait_payload(self, slot: int, timeout_s: float) -> None:
         self.link.wait(self._in_flight[slot], timeout_s, "receiving a bucket payload")
 
+    def release(self, slot: int) -> None:
+        self._busy.discard(slot)
+        if self._expected:  # the next header's slot may be free now
+            self._post_frame()
+
     def close(self) -> None:
         self._in_flight = [[] for _ in range(self.num_slots)]
         self._frame_in_flight = []
-        self._buffers = []
+        self._buffers = self._frames = self._slots = []
         self.link.release()
 
 

@@ -18,21 +18,23 @@ BUCKET = 64 << 10  # small, so every case spans several buckets
 W = "ckpt_core.testing.weights:"
 
 
-def test_headers_longer_than_one_frame() -> None:
+@pytest.mark.parametrize("topology", ["broadcast", "fanout"])
+def test_headers_longer_than_one_frame(topology: str) -> None:
     """Long names make each bucket's header larger than the fixed-size header frame, so the
-    rest of it travels as a message of its own (the refits the conformance kit runs on this
-    backend, test_gloo_cpu_conformance.py beside this file, all fit their frame)."""
+    rest of it travels as a message of its own, after the frame (a broadcast's frame alone; a
+    pair's with the packed payload in it). The refits the conformance kit runs on this backend,
+    test_gloo_cpu_conformance.py beside this file, all fit their frame."""
     specs, labels = refit_worker_specs(
         backend="gloo_cpu",
         num_policy=1,
         num_rollout=2,
         bucket_size=BUCKET,
-        engine_kwargs={"timeout_s": 60},
+        engine_kwargs={"timeout_s": 60, "topology": topology},
         weights=W + "tiny",
     )
     params = {"count": 300, "nbytes": 8, "name_length": HEADER_FRAME_BYTES // 100}
     with LocalProcessPool(specs, labels=labels) as pool:
-        coord = RefitCoordinator(pool, num_policy=1, num_rollout=2, timeout_s=120)
+        coord = RefitCoordinator(pool, num_policy=1, num_rollout=2, timeout_s=120, topology=topology)
         coord.setup()
         report = coord.refit(weights=W + "tiny", weights_params=params)
         coord.finalize()
