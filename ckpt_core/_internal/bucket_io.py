@@ -100,7 +100,8 @@ class BucketReceiver(abc.ABC):
 
     payload_ready_with_header: bool = False
     """Whether a header arriving means its payload is already readable (the sender wrote it
-    where the receiver reads it, as with shared memory). The pipeline then finishes each bucket
+    where the receiver reads it, as with shared memory, or sent it in the header's message);
+    read once per refit, so a receiver may set it for itself. The pipeline then finishes each bucket
     as soon as it arrives, handing its slot back at once. Otherwise payloads move only once
     ``post_payload`` says where they go, and the pipeline posts bucket ``k`` before finishing
     bucket ``k - 1``, so the two overlap."""
