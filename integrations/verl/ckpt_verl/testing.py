@@ -26,8 +26,9 @@ import asyncio
 import hashlib
 import json
 import os
+import threading
 import time
-from collections.abc import AsyncIterator, Generator, Iterable
+from collections.abc import AsyncIterator, Generator, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,17 +51,17 @@ __all__ = [
 
 SHAPES = [(256, 96), (96,), (512, 64), (3,), (0, 4), (2048,)]
 
+HOLD_S = 120.0
+"""How long a held sync waits for :meth:`WeightsTrainer.release_hold` before it fails."""
 
-def seeded_weights(
-    global_steps: int, *, tensors: int = len(SHAPES), delay_s: float = 0.0
-) -> Generator[tuple[str, torch.Tensor], None, None]:
+
+def seeded_weights(global_steps: int, *, tensors: int = len(SHAPES)) -> Generator[tuple[str, torch.Tensor], None, None]:
     """A trainer's full weights at ``global_steps`` (the same on every trainer rank, as verl's
     collective generators yield them): ``tensors`` of them, in ``SHAPES`` over and over and in
-    bf16, fp32 and fp16 in turn; ``delay_s`` before each (a slow trainer)."""
+    bf16, fp32 and fp16 in turn."""
     generator = torch.Generator().manual_seed(global_steps)
     for index in range(tensors):
         shape = SHAPES[index % len(SHAPES)]
-        time.sleep(delay_s)
         dtype = (torch.bfloat16, torch.float32, torch.float16)[index % 3]
         yield f"model.layers.{index}.weight", torch.randn(shape, generator=generator).to(dtype)
 
@@ -88,13 +89,16 @@ def digest(tensor: torch.Tensor) -> str:
 class WeightsTrainer(Worker):
     """The checkpoint-engine part of verl's actor worker (``verl.workers.engine_workers``), over
     plain weights: at step ``k`` it sends ``checkpoints[k - 1]`` (:func:`checkpoint_weights`) if
-    given, else :func:`seeded_weights` ``(k, tensors=tensors, delay_s=delay_s)``. ``config`` is verl's
+    given, else :func:`seeded_weights` ``(k, tensors=tensors)``. ``config`` is verl's
     ``CheckpointEngineConfig``; the engine is built from it as verl builds it
-    (``custom_backend_module`` imported, ``is_master`` on rank 0)."""
+    (``custom_backend_module`` imported, ``is_master`` on rank 0).
 
-    def __init__(
-        self, config: Any, checkpoints: list[str] | None = None, tensors: int = len(SHAPES), delay_s: float = 0.0
-    ) -> None:
+    A test that must act at a known point of a sync (kill a worker mid-send) sets
+    ``hold_after`` (:meth:`set_pace`): the sync's weights stop there, after that many were
+    taken, until :meth:`release_hold` (or ``HOLD_S``, then the sync fails), and
+    :meth:`last_outcome` says ``held``."""
+
+    def __init__(self, config: Any, checkpoints: list[str] | None = None, tensors: int = len(SHAPES)) -> None:
         super().__init__()
         import_external_libs(config.custom_backend_module or None)
         self.checkpoint_engine = CheckpointEngineRegistry.new(
@@ -105,19 +109,36 @@ class WeightsTrainer(Worker):
         )
         self.checkpoints = checkpoints
         self.tensors = tensors
-        self.delay_s = delay_s
+        self.hold_after: int | None = None
+        self.held = False  # this sync's weights are stopped at hold_after
+        self.released = threading.Event()
         self.outcome: dict[str, Any] = {}
 
     def weights(self, global_steps: int) -> Iterable[tuple[str, torch.Tensor]]:
         if self.checkpoints is not None:
-            return checkpoint_weights(self.checkpoints[global_steps - 1])
-        return seeded_weights(global_steps, tensors=self.tensors, delay_s=self.delay_s)
+            weights: Iterable[tuple[str, torch.Tensor]] = checkpoint_weights(self.checkpoints[global_steps - 1])
+        else:
+            weights = seeded_weights(global_steps, tensors=self.tensors)
+        return weights if self.hold_after is None else self._holding(iter(weights), self.hold_after)
+
+    def _holding(
+        self, weights: Iterator[tuple[str, torch.Tensor]], after: int
+    ) -> Generator[tuple[str, torch.Tensor], None, None]:
+        """``weights``, stopped after ``after`` of them until the hold is released."""
+        for index, item in enumerate(weights):
+            if index == after:
+                self.held = True
+                if not self.released.wait(HOLD_S):
+                    raise TimeoutError(f"the sync was held after {after} weights and not released within {HOLD_S:g}s")
+            yield item
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     async def update_weights(self, global_steps: int | None = None, mode: str = "auto") -> dict[str, Any]:
         """As verl's actor worker in disaggregated mode: send this step's weights; the engine's
         per-sync metrics are the result. How it ended is kept for :meth:`last_outcome`."""
         self.outcome = {"global_steps": global_steps}
+        self.held = False
+        self.released.clear()
         try:
             metrics = await self.checkpoint_engine.send_weights(
                 self.weights(global_steps or 0), global_steps=global_steps
@@ -132,14 +153,20 @@ class WeightsTrainer(Worker):
         """The last sync's step, its error's class name and message if it failed, and when it
         ended (``time.monotonic()``, comparable across processes of one machine); ``{}``
         before the first sync, and only the step while one runs. Call it on the actor (verl's
-        manager returns at the first failed worker; the others end in their own time)."""
-        return dict(self.outcome)
+        manager returns at the first failed worker; the others end in their own time), with
+        ``held`` while its weights are held (see the class docstring)."""
+        return {**self.outcome, "held": self.held}
+
+    def release_hold(self) -> None:
+        """Let the held sync's weights go on."""
+        self.released.set()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def set_pace(self, tensors: int = len(SHAPES), delay_s: float = 0.0) -> None:
-        """The seeded weights' count and the delay before each, from the next sync on."""
+    def set_pace(self, tensors: int = len(SHAPES), hold_after: int | None = None) -> None:
+        """The seeded weights' count and where a sync holds (``None``: nowhere), from the next
+        sync on."""
         self.tensors = tensors
-        self.delay_s = delay_s
+        self.hold_after = hold_after
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
     def execute_checkpoint_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:

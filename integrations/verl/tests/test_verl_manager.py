@@ -72,6 +72,21 @@ def pid(actor: Any) -> int:
     return int(ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=GATHER_S))
 
 
+def wait_dead(process: int, deadline: float) -> None:
+    """Wait until ``process`` has exited (gone, or a zombie its parent has not reaped: its
+    sockets are closed either way), until ``deadline`` (``time.monotonic()``)."""
+    status = Path(f"/proc/{process}/status")
+    while time.monotonic() < deadline:
+        try:
+            state = next(line for line in status.read_text().splitlines() if line.startswith("State:"))
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        if "zombie" in state:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {process} was killed and has not exited")
+
+
 def ended_outcome(trainer: Any) -> dict[str, Any]:
     """A trainer's last sync's outcome once it ended (``{}`` while it runs)."""
     outcome: dict[str, Any] = ray.get(trainer.last_outcome.remote(), timeout=GATHER_S)
@@ -122,8 +137,8 @@ class Setup:
             ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(WeightsTrainer)),
         )
 
-    def pace(self, tensors: int = len(SHAPES), delay_s: float = 0.0) -> None:
-        self.trainers.set_pace(tensors=tensors, delay_s=delay_s)
+    def pace(self, tensors: int = len(SHAPES), hold_after: int | None = None) -> None:
+        self.trainers.set_pace(tensors=tensors, hold_after=hold_after)
         self.tensors = tensors
 
     def manager(self, trainers: RayWorkerGroup | None = None) -> CheckpointEngineManager:
@@ -187,14 +202,16 @@ def test_a_rollout_told_another_step_refuses_the_weights_and_the_next_sync_is_wh
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["rollout", "trainer"])
 def test_a_killed_worker_fails_the_sync_in_time_and_the_next_is_whole(setup: Setup, victim: str) -> None:
-    """A slow trainer's sync (48 weights, 50 ms apart) loses a rollout worker or the sending
-    trainer rank (SIGKILL) half a second into its send, before its first bucket is posted.
-    verl's ``update_weights`` raises Ray's error for the lost actor at once; every surviving
-    worker of the transfer (the other rollout, or both; the sender) ends in a typed transfer
-    error within timeout_s. verl then replaces the lost workers (``remove_replicas`` / ``add_replicas``, or a new
-    trainer group) and the next sync is whole."""
+    """A trainer's sync (200 weights, four 1 MiB buckets) loses a rollout worker or the
+    sending trainer rank (SIGKILL) mid-send: the trainers hold their weights after the fifth,
+    before the first bucket is posted, until the victim is dead (a hold, not a delay: a busy
+    machine cannot let the send finish first). verl's ``update_weights`` raises Ray's error for the lost
+    actor at once; every surviving worker of the transfer (the other rollout, or both; the
+    sender) ends in a typed transfer error within timeout_s. verl then replaces the lost
+    workers (``remove_replicas`` / ``add_replicas``, or a new trainer group) and the next sync
+    is whole."""
     step = {"rollout": 20, "trainer": 30}[victim]
-    setup.pace(tensors=48, delay_s=0.05)
+    setup.pace(tensors=200, hold_after=5)
     manager = setup.manager()
     outcome: dict[str, Any] = {}
 
@@ -208,13 +225,20 @@ def test_a_killed_worker_fails_the_sync_in_time_and_the_next_is_whole(setup: Set
     thread.start()
     sender = setup.trainers.workers[0]
     deadline = time.monotonic() + GATHER_S
-    while ray.get(sender.last_outcome.remote(), timeout=GATHER_S).get("global_steps") != step:
-        assert time.monotonic() < deadline, "the sync never reached the trainer's send"
+    while True:
+        outcome_now = ray.get(sender.last_outcome.remote(), timeout=GATHER_S)
+        if outcome_now.get("global_steps") == step and outcome_now["held"]:
+            break
+        assert "at" not in outcome_now or outcome_now.get("global_steps") != step, outcome_now
+        assert time.monotonic() < deadline, "the sync never reached the trainer's hold"
         time.sleep(0.05)
     victim_pid = pid(setup.replicas[1].workers[0] if victim == "rollout" else sender)
-    time.sleep(0.5)  # the send is under way (its weights come over 2.4 s), whatever the rebuild took
     killed_at = time.monotonic()
     os.kill(victim_pid, signal.SIGKILL)  # at once (ray.kill only asks Ray to)
+    wait_dead(victim_pid, killed_at + GATHER_S)
+    time.sleep(0.5)  # the survivors' transports see its sockets closed before the send goes on
+    survivors = setup.trainers.workers[1:] if victim == "trainer" else setup.trainers.workers
+    ray.get([worker.release_hold.remote() for worker in survivors], timeout=GATHER_S)
     thread.join(GATHER_S)
     assert not thread.is_alive(), "verl's update_weights did not return"
     # Ray's gather raises at the first failed worker: the killed one's.
