@@ -110,6 +110,32 @@ def test_killed_rollout_fails_every_rank_in_bounded_time_then_recovers(
     coordinator.finalize()
 
 
+@pytest.mark.parametrize("backend", [BACKENDS[1]])
+def test_a_rollout_killed_before_the_last_bucket_fails_the_survivor_too(
+    team: Team, backend: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """A rollout killed while the weights come, seconds before the refit's last bucket is
+    posted, is found before any rollout has that bucket's header, so the survivor does not
+    complete a refit that failed. Over cuda_ipc it did: the last header went to rank 0, then
+    failed at rank 1 (the policy had read rank 1's release of the bucket before, not its end).
+    Not over gloo_cpu: a Gloo broadcast to a lost rank fails only when waited on, after the
+    others have the bucket, so a survivor can complete there (1 run in 7)."""
+    coordinator = start(team, backend, tmp_path)
+    params = {"count": 6, "nbytes": 4 << 10, "delay_s": 0.6, "mark_after": 1, "marker": str(tmp_path / "in-flight")}
+    striker = Striker(team, R1, tmp_path / "in-flight")
+    with pytest.raises(RefitFailedError) as caught:
+        coordinator.refit(weights="tests.reliability.rel_weights:marked", weights_params=params)
+    striker.seconds_since_strike()
+    failures = failures_by_worker(caught.value)
+    assert set(failures) == {"policy rank 0", "rollout rank 0", "rollout rank 1"}, caught.value
+    survivor = failures["rollout rank 0"]
+    assert survivor.error_type in ("PeerLostError", "RemoteRefitError"), survivor.describe()
+    assert coordinator.weight_version == 1
+    team.replace([R1])
+    recover_and_check(coordinator, version_before=1)
+    coordinator.finalize()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_killed_policy_fails_every_rollout_without_partial_tensors_then_recovers(
     team: Team, backend: tuple[str, dict[str, Any]], tmp_path: Path

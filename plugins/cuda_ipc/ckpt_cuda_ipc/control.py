@@ -19,6 +19,7 @@ import contextlib
 import enum
 import json
 import os
+import select
 import selectors
 import shutil
 import socket
@@ -253,6 +254,12 @@ class Channel:
         if not self.closed:
             self.closed = True
             self.sock.close()
+
+
+def readable_now(channels: Sequence[Channel]) -> list[Channel]:
+    """The channels with data (or EOF) to read at once, without waiting."""
+    ready, _, _ = select.select([channel.sock for channel in channels], [], [], 0)
+    return [channel for channel in channels if channel.sock in ready]
 
 
 def wait_readable(channels: Iterable[Channel], deadline: Deadline) -> list[Channel]:

@@ -25,7 +25,7 @@ from ckpt_core.errors import PeerLostError, RemoteRefitError, TransferError, Wir
 from ckpt_core.transport import BucketReceiver, BucketSender
 from ckpt_core.transport.wire import decode_header
 
-from .control import Channel, Deadline, Kind, decode_json, lost, timed_out, wait_readable
+from .control import Channel, Deadline, Kind, decode_json, lost, readable_now, timed_out, wait_readable
 
 
 class Slots(Protocol):
@@ -79,6 +79,8 @@ class IpcSender(BucketSender):
             kind = Kind.ABORT
         deadline = Deadline(timeout_s)
         with self._failing_others():
+            if kind is Kind.HEADER:
+                self._read_what_came(f"before sending the header of the bucket in slot {slot}")
             for channel in self.channels:
                 channel.send(kind, header, deadline, f"sending it the header of the bucket in slot {slot}")
         if kind is Kind.ABORT:
@@ -99,6 +101,17 @@ class IpcSender(BucketSender):
                 for channel in ready:
                     for kind, body in channel.read_ready(phase):
                         self._on_frame(self.channels.index(channel), kind, body)
+
+    def _read_what_came(self, phase: str) -> None:
+        """Take what the rollouts sent so far (releases, a failure), without waiting: a rollout
+        already gone is found here, before any of them has this header. Otherwise the ranks
+        before it could take the refit's last bucket and complete while the refit fails."""
+        ready = readable_now(self.channels)
+        while ready:  # until drained: a peer's last frames may come before its end of file
+            for channel in ready:
+                for kind, body in channel.read_ready(phase):
+                    self._on_frame(self.channels.index(channel), kind, body)
+            ready = readable_now(ready)
 
     @contextlib.contextmanager
     def _failing_others(self) -> Iterator[None]:
