@@ -172,6 +172,16 @@ class Link:
         return PeerLostError(f"{phase} with {self.peer} failed, the peer is gone: {text}")
 
 
+def _framed_slots(
+    count: int, bucket_size: int, device: torch.device
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """``count`` slots of a header frame followed by a bucket buffer, one allocation each (a
+    framed link moves a slot's frame and payload as one message): ``(slots, frames, buffers)``,
+    the frames and buffers being views of the slots."""
+    slots = bucket_buffers(count, HEADER_FRAME_BYTES + bucket_size, device)
+    return slots, [whole[:HEADER_FRAME_BYTES] for whole in slots], [whole[HEADER_FRAME_BYTES:] for whole in slots]
+
+
 class DistributedSender(BucketSender):
     direct_chunks = True
 
@@ -179,9 +189,7 @@ class DistributedSender(BucketSender):
         self.link = link
         self._framed = link.frames_carry_payload
         if self._framed:  # each slot: its frame, then its buffer, sent as one message
-            self._slots = bucket_buffers(self.num_slots, HEADER_FRAME_BYTES + bucket_size, device)
-            self._frames = [whole[:HEADER_FRAME_BYTES] for whole in self._slots]
-            self._buffers = [whole[HEADER_FRAME_BYTES:] for whole in self._slots]
+            self._slots, self._frames, self._buffers = _framed_slots(self.num_slots, bucket_size, device)
         else:
             self._buffers = bucket_buffers(self.num_slots, bucket_size, device)
             self._slots = []
@@ -233,9 +241,7 @@ class DistributedReceiver(BucketReceiver):
         self.link = link
         self._framed = self.payload_ready_with_header = link.frames_carry_payload
         if self._framed:  # each slot: the frame its header arrives in, then its buffer
-            self._slots = bucket_buffers(self.num_slots, HEADER_FRAME_BYTES + bucket_size, device)
-            self._frames = [whole[:HEADER_FRAME_BYTES] for whole in self._slots]
-            self._buffers = [whole[HEADER_FRAME_BYTES:] for whole in self._slots]
+            self._slots, self._frames, self._buffers = _framed_slots(self.num_slots, bucket_size, device)
         else:
             self._buffers = bucket_buffers(self.num_slots, bucket_size, device)
             self._slots = []
