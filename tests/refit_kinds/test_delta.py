@@ -263,7 +263,7 @@ def test_a_kept_patch_puts_back_what_the_patch_overwrote(
     assert undo is not None and torch.equal(bits(held), bits(new))
     apply(held, undo, name="w")
     assert torch.equal(bits(held), bits(old))
-    undo, value = apply_and_digest(held, patch, name="w")
+    undo, value, _, _ = apply_and_digest(held, patch, name="w")
     assert torch.equal(bits(held), bits(new)) and value == digest(new)
     apply(held, undo, name="w")
     assert torch.equal(bits(held), bits(old))
@@ -308,7 +308,7 @@ def test_denormals_nan_payloads_and_signed_zeros_arrive_bit_for_bit_through_the_
     assert found.patch.positions.tolist() == [3, 7, 10, 14]
     patch, sent_digest = decode(found.encoded, old, name="w")
     held = old.clone()
-    _, value = apply_and_digest(held, patch, name="w")
+    value = apply_and_digest(held, patch, name="w").digest
     assert value == sent_digest and torch.equal(bits(held), bits(new))
 
 
@@ -335,3 +335,68 @@ def test_positions_out_of_order_are_refused_and_change_nothing() -> None:
         with pytest.raises(DeltaError, match="w: the patch holds positions"):
             apply_and_digest(held, patch, name="w")
         assert torch.equal(held, kept), positions
+
+
+def patch_between(old: torch.Tensor, new: torch.Tensor) -> Patch:
+    """The patch of every element whose bits differ, whatever it costs."""
+    width = old.element_size()
+    changed = (bits(old).view(-1, width) != bits(new).view(-1, width)).any(1).nonzero().squeeze(1)
+    return Patch(changed.to(torch.int32), new.reshape(-1)[changed], numel=old.numel())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8, torch.int64, torch.bool], ids=str)
+@pytest.mark.parametrize("numel", [3000, 3001], ids=["whole words", "a tail"])
+def test_a_digest_made_from_the_copys_terms_is_its_whole_hash_over_patches_in_a_row(
+    dtype: torch.dtype, numel: int, tiny_parts: None
+) -> None:
+    """A receiver that knows its copy's digest terms by leaf class makes each sparse patch's
+    digest from them and the words the patch writes, and hashes a denser one whole: over
+    patches in a row (every fraction, many leaves in every class), the digest is the one
+    hashed whole, the terms are the ones a whole hash gives, and every class audits clean."""
+    generator = torch.Generator().manual_seed(21)
+    old = random_tensor((numel,), dtype, generator)
+    held = old.clone()
+    terms = None
+    for fraction in [0.001, 0.01, 0.0, 0.2, 1.0, 0.001, 0.0005]:
+        new, changed = changed_copy(old, fraction, generator)
+        applied = apply_and_digest(held, patch_between(old, new), name="w", terms=terms)
+        assert torch.equal(bits(held), bits(new)) and applied.digest == digest(new)
+        followed = terms is not None and changed * bitdiff.TERMS_BYTES_PER_ENTRY <= held.nbytes
+        assert applied.terms is not None and applied.hashed is not followed
+        hashed = apply_and_digest(new.clone(), patch_between(new, new), name="w").terms
+        assert hashed is not None and applied.terms.tolist() == hashed.tolist()
+        assert all(delta.audit(held, applied.terms, number) for number in range(delta.audit_classes(held)))
+        terms, old = applied.terms, new
+
+
+def test_the_audit_finds_a_write_no_patch_made_in_its_class_only(tiny_parts: None) -> None:
+    """A write the terms do not know of moves the digest only where the patch reads it (its
+    word): elsewhere, the audit of the class of leaves holding it finds it, and no other
+    class's audit does."""
+    generator = torch.Generator().manual_seed(22)
+    held = random_tensor((4096,), torch.float32, generator)  # 16 KiB: 256 leaves of 64 bytes
+    terms = apply_and_digest(held, patch_between(held, held), name="w").terms
+    assert terms is not None and delta.audit_classes(held) == bitdiff.AUDIT_CLASSES
+    held[1000] += 1  # its leaf: 4000 // 64 = 62, of class 14
+    assert [n for n in range(bitdiff.AUDIT_CLASSES) if not delta.audit(held, terms, n)] == [14]
+    unaligned = torch.zeros(4097, dtype=torch.uint8)[1:]  # a host copy whose words are not its own
+    applied = apply_and_digest(unaligned, patch_between(unaligned, unaligned + 1), name="w")
+    assert applied.terms is None and applied.digest == digest(torch.ones(4096, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32], ids=str)
+def test_a_word_several_entries_write_is_followed_once(dtype: torch.dtype, tiny_parts: None) -> None:
+    """Entries that share a 64-bit word (adjacent elements, as changes of one row often are)
+    move its term once, from the word before the first to the word after the last: the
+    digest followed from the terms is still the one hashed whole."""
+    generator = torch.Generator().manual_seed(23)
+    old = random_tensor((4096,), dtype, generator)
+    held = old.clone()
+    terms = apply_and_digest(held, patch_between(old, old), name="w").terms
+    lanes = 8 // old.element_size()
+    new = old.clone()
+    for first in (0, 8 * lanes + 1, 700 * lanes, 4096 - lanes):  # runs of two and more inside words
+        flat = bits(new).view(-1, old.element_size())
+        flat[first : first + max(2, lanes - 1), 0] ^= 1
+    applied = apply_and_digest(held, patch_between(old, new), name="w", terms=terms)
+    assert not applied.hashed and applied.digest == digest(new) and torch.equal(bits(held), bits(new))

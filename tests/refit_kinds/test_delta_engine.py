@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ckpt_core
-from ckpt_core.errors import EngineOptionError
+from ckpt_core.errors import EngineOptionError, IntegrityError
 from ckpt_core.hooks import plugin_manager
 from ckpt_core.refit.delta import can_pay
 from ckpt_core.refit.layout import WeightLayout, slices, whole
@@ -275,3 +275,38 @@ def test_a_bounded_baseline_bounds_both_sides_and_still_patches_what_fits() -> N
 def test_a_bad_baseline_bound_is_refused(options: dict[str, Any], said: str) -> None:
     with pytest.raises(EngineOptionError, match=said):
         InProcessEngine(bucket_size=BUCKET, **options)
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        ({"delta_check": "whole"}, "delta_check checks delta refits' patches; it needs delta=True"),
+        ({"delta": True, "delta_check": "sometimes"}, "delta_check"),
+    ],
+)
+def test_a_bad_delta_check_is_refused(options: dict[str, Any], said: str) -> None:
+    with pytest.raises(EngineOptionError, match=said):
+        InProcessEngine(bucket_size=BUCKET, **options)
+
+
+def test_with_delta_check_whole_a_write_into_a_handed_weight_fails_the_next_refit() -> None:
+    """The rollout hands out its copies; one its caller wrote into, where no patch writes, is
+    hashed whole at the next patch (``delta_check="whole"``) and that refit fails naming it."""
+    params = {**PARAMS, "fractions": [0.0001]}
+    policy = InProcessEngine(bucket_size=BUCKET, delta=True)
+    rollout = InProcessEngine(bucket_size=BUCKET, delta=True, delta_check="whole")
+    connect(policy, rollout)
+    try:
+        for k in range(3):
+            refit_ok(policy, rollout, list(drifting(params, refit_index=k, rank=0)))
+        weights = list(drifting(params, refit_index=3, rank=0))
+        outcome = run_refit(policy, rollout, functools.partial(iter, weights))
+        assert outcome.send_error is None and outcome.receive_error is None
+        name, handed = next((n, t) for n, t in outcome.received if t.dtype == torch.float32 and t.numel() > 1000)
+        handed.reshape(-1)[-1] += 1  # the caller writes into a weight it was handed
+        outcome = run_refit(policy, rollout, functools.partial(iter, list(drifting(params, refit_index=4, rank=0))))
+        assert isinstance(outcome.receive_error, IntegrityError), outcome.receive_error
+        assert str(outcome.receive_error).startswith(f"{name}: ")
+    finally:
+        policy.finalize()
+        rollout.finalize()

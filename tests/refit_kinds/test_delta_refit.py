@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from ckpt_core._internal import bitdiff
 from ckpt_core.errors import IntegrityError, LifecycleError, WireFormatError
 from ckpt_core.refit.delta import can_pay, digest
 from ckpt_core.refit.delta.baselines import (
@@ -183,6 +184,8 @@ def test_a_refit_that_fails_midway_leaves_both_baselines_as_they_were() -> None:
     sender, receiver = DeltaSender(destination="rollout 0"), DeltaReceiver(source="policy 0")
     weights = model(generator)
     refit(sender, receiver, weights)
+    weights = step(weights, 0.01, generator)
+    refit(sender, receiver, weights)  # the receiver knows its patched copies' terms from here on
     held = sender.baseline
     failed = step(weights, 0.01, generator)
     stream = receiver.decode(sender.encode(iter(failed.items()), RefitStats()), RefitStats())
@@ -194,9 +197,11 @@ def test_a_refit_that_fails_midway_leaves_both_baselines_as_they_were() -> None:
     with pytest.raises(LifecycleError, match="no decoded refit to commit"):
         receiver.commit()
     assert sender.baseline is held
-    later, stats = step(failed, 0.01, generator), RefitStats()
-    assert_same(refit(sender, receiver, later, stats), later)
-    assert stats.patched_tensors >= 6
+    for _ in range(2):  # made from terms the failed refit left as they were
+        later, stats = step(failed, 0.01, generator), RefitStats()
+        assert_same(refit(sender, receiver, later, stats), later)
+        assert stats.patched_tensors >= 6
+        failed = later
 
 
 def test_a_receiver_holding_another_version_refuses_the_patches_and_a_whole_refit_recovers() -> None:
@@ -256,6 +261,36 @@ def test_a_patch_that_does_not_give_the_senders_weight_is_an_integrity_error() -
     receiver.baseline.tensors["fp32"][7] += 1  # the receiver's copy went wrong
     with pytest.raises(IntegrityError, match="fp32: patched from policy 0's patch, it does not match"):
         list(receiver.decode(sender.encode(iter(step(weights, 0.01, generator).items()), RefitStats()), RefitStats()))
+
+
+@pytest.mark.parametrize("whole_check, found_at", [(False, 15), (True, 1)], ids=["audit", "whole"])
+def test_a_write_into_a_received_weight_is_found_by_the_patch_that_reads_it(
+    whole_check: bool, found_at: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write into a received copy where no patch writes: with the default check, each patch
+    after the copy's first audits the next class of its leaves, and the one that reads the
+    written leaf fails its refit (``IntegrityError`` naming the weight); with ``whole_check``,
+    the next patch does."""
+    monkeypatch.setattr(bitdiff, "LEAF_BYTES", 64)  # 16 KiB: 256 leaves, 16 per class
+    generator = torch.Generator().manual_seed(6)
+    weights = {"w": torch.randn(4096, generator=generator)}
+    sender = DeltaSender(destination="rollout 0")
+    receiver = DeltaReceiver(source="policy 0", whole_check=whole_check)
+    refit(sender, receiver, weights)
+    weights = step(weights, 0.01, generator)
+    refit(sender, receiver, weights)  # the copy's first patch: hashed whole
+    receiver.baseline.tensors["w"][1000] += 1  # byte 4000: leaf 62, of class 14
+    said = "changed where no patch wrote (its leaves of class 14" if not whole_check else "does not match"
+    found = None
+    for patches in range(1, 17):
+        weights = step(weights, 0.001, generator)
+        try:
+            refit(sender, receiver, weights)
+        except IntegrityError as exc:
+            assert str(exc).startswith("w: ") and said in str(exc)
+            found = patches
+            break
+    assert found == found_at
 
 
 def test_weights_that_change_shape_or_appear_travel_whole_and_dropped_ones_leave_the_baseline() -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -41,6 +41,7 @@ from ckpt_core.errors import InvalidArgumentError, WireFormatError
 
 # Device tensors: elements compared at once (bounds the comparison's mask, 16 MiB).
 __all__ = [
+    "Applied",
     "Comparison",
     "DIGEST_BYTES",
     "DeltaError",
@@ -48,6 +49,8 @@ __all__ = [
     "SCREEN_PARTS",
     "apply",
     "apply_and_digest",
+    "audit",
+    "audit_classes",
     "can_pay",
     "compare",
     "copy_bits",
@@ -387,17 +390,55 @@ def apply(tensor: torch.Tensor, patch: Patch, *, name: str, keep: bool = False) 
     return _apply(tensor, patch, name, keep=keep, with_digest=False)[0]
 
 
-def apply_and_digest(tensor: torch.Tensor, patch: Patch, *, name: str) -> tuple[Patch, int]:
-    """:func:`apply` with ``keep``, and the :func:`digest` of ``tensor`` once patched, in one
-    pass on the host (each part of the tensor hashed as soon as it is patched)."""
-    undo, value = _apply(tensor, patch, name, keep=True, with_digest=True)
+class Applied(NamedTuple):
+    """What :func:`apply_and_digest` did: the patch that undoes it (``undo``); the patched tensor's
+    ``digest``; for a host tensor whose words are its own (8-byte aligned), its digest
+    ``terms`` by leaf class (else ``None``); and whether it was ``hashed`` whole (every byte
+    read) rather than followed from the terms given."""
+
+    undo: Patch
+    digest: int
+    terms: np.ndarray | None
+    hashed: bool
+
+
+def apply_and_digest(tensor: torch.Tensor, patch: Patch, *, name: str, terms: np.ndarray | None = None) -> Applied:
+    """:func:`apply` with ``keep``, and the :func:`digest` of ``tensor`` once patched. Given
+    ``terms`` (``tensor``'s, as this returned them after the patch before, nothing else having
+    written to it since) and a sparse patch (:data:`~ckpt_core._internal.bitdiff.TERMS_BYTES_PER_ENTRY`),
+    the digest is made from them and the words the patch writes, in time that follows the
+    patch; else ``tensor`` is hashed whole as it is patched. :func:`audit` reads what the first
+    way does not."""
+    undo, value, after, hashed = _apply(tensor, patch, name, keep=True, with_digest=True, terms=terms)
     assert undo is not None and value is not None
-    return undo, value
+    return Applied(undo, value, after, hashed)
+
+
+def audit(tensor: torch.Tensor, terms: np.ndarray, number: int) -> bool:
+    """Whether class ``number`` of ``tensor``'s leaves (a host tensor's; of
+    :func:`audit_classes`) still hashes to its sum in ``terms`` (made by
+    :func:`apply_and_digest`): ``False`` where something other than patches wrote there."""
+    held = _bits(tensor, "audited").numpy()
+    return bitdiff.class_terms(held, number) == int(terms[number])
+
+
+def audit_classes(tensor: torch.Tensor) -> int:
+    """How many classes of leaves :func:`audit` reads ``tensor`` in, one per patch: at most
+    :data:`~ckpt_core._internal.bitdiff.AUDIT_CLASSES` (a tensor of fewer leaves, fewer)."""
+    return bitdiff.audit_classes(_bits(tensor, "audited").numpy())
 
 
 def _apply(
-    tensor: torch.Tensor, patch: Patch, name: str, *, keep: bool, with_digest: bool
-) -> tuple[Patch | None, int | None]:
+    tensor: torch.Tensor,
+    patch: Patch,
+    name: str,
+    *,
+    keep: bool,
+    with_digest: bool,
+    terms: np.ndarray | None = None,
+) -> tuple[Patch | None, int | None, np.ndarray | None, bool]:
+    """The undo patch (with ``keep``), the digest, the terms and whether hashed whole (as
+    :class:`Applied` has them; the first two ``None`` where not asked for)."""
     if patch.numel != tensor.numel() or patch.values.dtype != tensor.dtype:
         raise DeltaError(
             f"{name}: a patch for {patch.numel} elements of {patch.values.dtype} cannot apply to "
@@ -408,8 +449,13 @@ def _apply(
     held, values = _bits(tensor, name), _bits(patch.values.to(tensor.device), name)
     if tensor.device.type == "cpu":
         try:
-            saved, value = bitdiff.patch(
-                held.numpy(), patch.positions.numpy(), values.numpy(), keep=keep, with_digest=with_digest
+            done = bitdiff.patch(
+                held.numpy(),
+                patch.positions.numpy(),
+                values.numpy(),
+                keep=keep,
+                with_digest=with_digest,
+                terms=terms,
             )
         except ValueError as exc:
             raise DeltaError(
@@ -417,10 +463,10 @@ def _apply(
             ) from None
         undo = (
             None
-            if saved is None
-            else Patch(patch.positions, _typed(torch.from_numpy(saved), tensor.dtype), patch.numel)
+            if done.saved is None
+            else Patch(patch.positions, _typed(torch.from_numpy(done.saved), tensor.dtype), patch.numel)
         )
-        return undo, value
+        return undo, done.digest, done.terms, done.hashed
     positions = patch.positions.long()
     if patch.changed and (
         int(positions.min()) < 0
@@ -432,7 +478,7 @@ def _apply(
     if keep:
         undo = Patch(patch.positions, _typed(held.index_select(0, positions), tensor.dtype), patch.numel)
     held.index_copy_(0, positions, values)  # as integers of the same width: bit for bit, FP8 included
-    return undo, digest(tensor) if with_digest else None
+    return undo, digest(tensor) if with_digest else None, None, with_digest
 
 
 def digest(tensor: torch.Tensor) -> int:

@@ -26,7 +26,9 @@ What it guarantees:
   before any weight, with :class:`BaselineMismatchError`, and keeps what it holds; a refit
   made against no version (every weight whole) is taken by any receiver;
 * every patched weight is checked against the sender's digest of the new weight
-  (:class:`~ckpt_core.errors.IntegrityError` naming it on a mismatch);
+  (:class:`~ckpt_core.errors.IntegrityError` naming it on a mismatch): hashed whole at its
+  first patch, then made from its terms and the words each patch writes, with a sixteenth of
+  the copy audited per patch (:class:`DeltaReceiver`);
 * a baseline moves only with :meth:`~DeltaSender.commit`, which a side calls once its refit
   completed: a refit that failed anywhere leaves both baselines as they were (the sender's
   copies, patched as it compared them, are put back), but for the weights its manifest
@@ -37,9 +39,10 @@ What it guarantees:
 What it costs: each side holds a copy of every weight it tracks (its :attr:`Baseline.nbytes`);
 the sender compares each weight with its copy (one pass over both, in which the copy is
 patched and the new weight hashed) and copies each weight it sends whole and tracked; the
-receiver patches its copy and hashes it (one pass) and keeps each weight received whole and
-tracked (as it arrived where it owns it, else a copy). A sender given ``max_baseline_bytes``
-keeps copies of the weights that fit in it, in the order it sends them (the same weights every
+receiver patches its copy (in time that follows a sparse patch), reads a sixteenth of it
+(the audit; all of it at a copy's first patch and at a dense one) and keeps each weight
+received whole and tracked (as it arrived where it owns it, else a copy). A sender given
+``max_baseline_bytes`` keeps copies of the weights that fit in it, in the order it sends them (the same weights every
 refit where the order and shapes stay), and sends the rest whole and untracked, so that its
 destination keeps no copy of them either: each side's baseline of one stream stays within
 that bound.
@@ -55,6 +58,7 @@ import uuid
 from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from ckpt_core._internal import bitdiff
@@ -63,6 +67,8 @@ from ckpt_core.refit.delta import (
     Patch,
     apply,
     apply_and_digest,
+    audit,
+    audit_classes,
     can_pay,
     compare,
     copy_bits,
@@ -102,6 +108,16 @@ class BaselineMismatchError(LifecycleError):
 
 
 @dataclasses.dataclass(frozen=True)
+class CopyTerms:
+    """What a receiver knows of a copy it patched: its digest terms by leaf class (as
+    :func:`~ckpt_core.refit.delta.apply_and_digest` made them, matching the sender's digest),
+    and the class of leaves its next patch audits (:func:`~ckpt_core.refit.delta.audit`)."""
+
+    sums: np.ndarray
+    audits: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class Baseline:
     """What one side holds of one destination's weights after a completed refit: a copy of
     each (contiguous, owned) and that refit's version (``None``: nothing yet). The copies are
@@ -113,6 +129,9 @@ class Baseline:
     digests: dict[str, int] = dataclasses.field(default_factory=dict)
     """The :func:`~ckpt_core.refit.delta.digest` of a copy, where its side made one (a sender's
     copies it patched): its next comparison makes the new version's from the changes alone."""
+    terms: dict[str, CopyTerms] = dataclasses.field(default_factory=dict)
+    """A receiver's copies' digest terms, where it patched them on the host: its next patch of
+    each makes the digest from the words it writes alone, and audits one class of leaves."""
 
     @property
     def nbytes(self) -> int:
@@ -360,11 +379,20 @@ class DeltaReceiver:
 
     ``keeps_received``: the tensors given to :meth:`receive` own their memory (no transport
     reuses it), so a weight received whole is kept as it is, not copied; without it (a
-    receiver whose tensors are views of buffers it lends out), each is copied."""
+    receiver whose tensors are views of buffers it lends out), each is copied.
 
-    def __init__(self, *, source: str, keeps_received: bool = False) -> None:
+    Each patched copy is checked against the sender's digest of the new weight. The first
+    patch of a copy hashes it whole, and so does a dense one; later sparse ones make the digest
+    from the copy's terms and the words the patch writes, and read one sixteenth of the copy
+    (a class of its leaves, each in turn) against its terms: a copy that differs from the
+    sender's where a patch writes is caught by that patch, anywhere else by the next patch
+    that hashes it or audits that class (within 16 patches of the weight). ``whole_check``:
+    every patch hashes the copy whole (caught at the next)."""
+
+    def __init__(self, *, source: str, keeps_received: bool = False, whole_check: bool = False) -> None:
         self.source = source
         self.keeps_received = keeps_received
+        self.whole_check = whole_check
         self.baseline = Baseline()
         self._refit: _Receiving | None = None  # receiving, or received to its end and not committed
         self._ended = False
@@ -386,7 +414,8 @@ class DeltaReceiver:
         on as received (and kept, as it is with ``keeps_received``, else as a copy, unless it
         came untracked); a patched one is the baseline's copy, patched in place and checked.
         A weight kept as it is, or patched, is the caller's to read (or copy), never to write
-        to: the next refit patches it again (a write is caught then, by the digest check)."""
+        to: later refits patch it again (a write is caught by the digest check or the audit:
+        class docstring)."""
         if self._refit is None or self._ended or name == MANIFEST_NAME:  # a manifest starts a refit
             self.discard()  # what an abandoned refit patched is put back first
             if name != MANIFEST_NAME:
@@ -404,7 +433,7 @@ class DeltaReceiver:
                 self.baseline = Baseline()
             for weight in released:
                 self.baseline.tensors.pop(weight, None)
-            self._refit = _Receiving(self.baseline, version)
+            self._refit = _Receiving(self.baseline, version, audited=not self.whole_check)
             return None
         refit = self._refit
         stats.delta_tensors += 1
@@ -419,6 +448,7 @@ class DeltaReceiver:
             start = time.perf_counter()
             keep = self.keeps_received and tensor.is_contiguous() and not tensor.requires_grad
             refit.kept[name] = tensor if keep else copy_bits(tensor.detach())
+            refit.terms.pop(name, None)
             stats.delta_seconds += time.perf_counter() - start
             stats.whole_tensors += 1
             return name, tensor
@@ -443,7 +473,9 @@ class DeltaReceiver:
         """The refit received to its :meth:`end` completed: its weights are the baseline now."""
         if self._refit is None or not self._ended:
             raise LifecycleError(f"from {self.source}: no decoded refit to commit")
-        self.baseline = Baseline(self._refit.kept, self._refit.version)
+        kept = self._refit.kept
+        terms = {name: known for name, known in self._refit.terms.items() if name in kept}
+        self.baseline = Baseline(kept, self._refit.version, terms=terms)
         self._refit, self._ended = None, False
 
     def discard(self) -> None:
@@ -457,25 +489,49 @@ class DeltaReceiver:
 @dataclasses.dataclass
 class _Receiving:
     """A refit a receiver takes: the baseline it patches, the version it makes, each weight
-    it kept, those it passed on untracked, and the values its patches overwrote (newest last)."""
+    it kept, those it passed on untracked, the values its patches overwrote (newest last),
+    and its copies' digest terms as the refit leaves them."""
 
     base: Baseline
     version: str
+    audited: bool = True  # else each patched copy is hashed whole
     kept: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     untracked: set[str] = dataclasses.field(default_factory=set)
     overwritten: list[tuple[str, torch.Tensor, Patch]] = dataclasses.field(default_factory=list)
+    terms: dict[str, CopyTerms] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.terms = dict(self.base.terms) if self.audited else {}  # the baseline's stay as they are until the commit
 
     def patch(self, name: str, held: torch.Tensor, patch: Patch, digest: int, *, source: str) -> None:
         """Apply ``patch`` to ``held`` in place, keeping the values it overwrites, and check
-        the result against the sender's ``digest``."""
-        undo, found = apply_and_digest(held, patch, name=name)
-        self.overwritten.append((name, held, undo))
+        the result against the sender's ``digest``: made from the copy's digest terms and the
+        words the patch writes where this receiver knows the terms and the patch is sparse
+        (then one class of the copy's leaves is read whole and checked against its terms:
+        each class in turn, one per such patch), else hashed whole."""
+        known = self.terms.pop(name, None)
+        applied = apply_and_digest(held, patch, name=name, terms=None if known is None else known.sums)
+        self.overwritten.append((name, held, applied.undo))
         self.kept[name] = held
-        if found != digest:
+        if applied.digest != digest:
             raise IntegrityError(
                 f"{name}: patched from {source}'s patch, it does not match the sender's digest of the "
                 "new weight: this receiver's copy differs from the sender's"
             )
+        sums = applied.terms
+        if sums is None or not self.audited:  # a device tensor (hashed whole by torch), or asked for
+            return
+        audits = 0 if known is None else known.audits
+        if not applied.hashed:  # what the digest did not read, a class at a time
+            number = audits % audit_classes(held)
+            if not audit(held, sums, number):
+                raise IntegrityError(
+                    f"{name}: this receiver's copy changed where no patch wrote (its leaves of class {number}, "
+                    f"the 1 MiB runs {number}, {number} + {bitdiff.AUDIT_CLASSES}, ...): something wrote into a "
+                    "weight received earlier (received weights are the caller's to read, not to write)"
+                )
+            audits += 1
+        self.terms[name] = CopyTerms(sums, audits)
 
     def undo(self) -> None:
         while self.overwritten:
@@ -492,10 +548,12 @@ class DeltaState:
 
     METADATA_KEY = "delta_baseline"
 
-    def __init__(self, *, max_baseline_bytes: int | None = None, keeps_received: bool = False) -> None:
+    def __init__(
+        self, *, max_baseline_bytes: int | None = None, keeps_received: bool = False, whole_check: bool = False
+    ) -> None:
         self.max_baseline_bytes = max_baseline_bytes  # each sender's bound
         self.senders: dict[tuple[int, ...], DeltaSender] = {}
-        self.receiver = DeltaReceiver(source="the policy", keeps_received=keeps_received)
+        self.receiver = DeltaReceiver(source="the policy", keeps_received=keeps_received, whole_check=whole_check)
 
     def metadata(self) -> dict[str, str | None]:
         return {self.METADATA_KEY: self.receiver.baseline.version}

@@ -9,7 +9,8 @@ weight sent so, across ``finalize()`` (the stage lives as long as its engine): a
 reports the version it holds in its ``prepare()`` metadata, and a sender whose destination
 holds another (a restarted rollout, a failed refit) sends every weight whole.
 ``delta_max_baseline_bytes`` bounds the copies per destination stream: weights past it (in the
-order sent) travel whole, and neither side keeps a copy of them.
+order sent) travel whole, and neither side keeps a copy of them. ``delta_check`` says how a
+receiver checks a patched copy: audited (the default) or hashed whole at every patch.
 """
 
 from __future__ import annotations
@@ -53,6 +54,15 @@ class DeltaStage(RefitStage):
             parse=_byte_bound,
             kind="int >= 0 (bytes) or None: no bound",
         ),
+        Option.choice(
+            "delta_check",
+            "audit",
+            ("audit", "whole"),
+            "rollout side, with delta: how a patched copy is checked against the sender's digest "
+            "(docs/delta.md): 'audit', its digest made from the words the patch wrote and one "
+            "sixteenth of it read in turn per patch (a write into a received weight is found "
+            "within 16 patches of it); 'whole', the copy hashed whole at each patch (found at the next)",
+        ),
     )
 
     def __init__(self, state: DeltaState) -> None:
@@ -65,11 +75,19 @@ class DeltaStage(RefitStage):
             raise EngineOptionError(
                 f"{owner}: delta_max_baseline_bytes bounds delta refits' copies; it needs delta=True"
             )
+        if values.delta_check != "audit" and not values.delta:
+            raise EngineOptionError(f"{owner}: delta_check checks delta refits' patches; it needs delta=True")
         if not values.delta:
             return None
         # Received tensors own their memory unless lent: a weight received whole is kept as it is.
         keeps_received = not values.get("borrow_received_tensors", False)
-        return cls(DeltaState(max_baseline_bytes=values.delta_max_baseline_bytes, keeps_received=keeps_received))
+        return cls(
+            DeltaState(
+                max_baseline_bytes=values.delta_max_baseline_bytes,
+                keeps_received=keeps_received,
+                whole_check=values.delta_check == "whole",
+            )
+        )
 
     def publish(self) -> dict[str, Any]:
         """As a rollout: the version its senders' patches must be made against."""
