@@ -46,6 +46,7 @@ def test_subclasses_inherit_extend_and_narrow_the_schema() -> None:
         "shard_expert_weights",
         "delta",
         "delta_max_baseline_bytes",
+        "delta_check",
     ]
     assert DistributedEngine.options.names() == [*base, "topology", "host", "auth_token"]
     assert GlooCpuCheckpointEngine.options.names() == [*base, "topology", "host", "auth_token", "device"]
