@@ -128,70 +128,56 @@ class SteppingPolicy(RefitWorker):
         assert _PREVIOUS, "step before measuring the floor"
         keys = ("floor", "update", "digest", "apply", "apply_digest", "apply_terms", "pair")
         seconds = dict.fromkeys(keys, 0.0)
-        receiver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pair-receiver")
-        for (_, new), old in zip(_WEIGHTS, _PREVIOUS):
-            new_bits, old_bits = new.view(torch.int16).numpy(), old.view(torch.int16).numpy()
-            most = new.numel() // 3
-            positions = np.dtype(np.int32)
-            start = time.perf_counter()
-            found = bitdiff.find(
-                old_bits, new_bits, max_changed=most, position_dtype=positions, prefix=0, with_digest=False
-            )
-            seconds["floor"] += time.perf_counter() - start
-            old_digest = bitdiff.digest(old_bits.view(np.uint8))  # what the sender keeps from the refit before
-            start = time.perf_counter()
-            bitdiff.find(
-                old_bits,
-                new_bits,
-                max_changed=most,
-                position_dtype=positions,
-                prefix=0,
-                with_digest=True,
-                old_digest=old_digest,
-            )
-            seconds["digest"] += time.perf_counter() - start
-            if found.over or found.blob is None:
-                continue
-            at, _ = bitdiff.layout(found.count, 0, 4, 2)
-            where, values = found.blob[: 4 * found.count].view(np.int32), found.blob[at:].view(np.int16)
-            nothing = np.empty(0, dtype=np.int32)
-            terms = bitdiff.patch(old_bits, nothing, old_bits[:0], keep=False, with_digest=True).terms  # untimed
-            for key, hashed in (("apply", False), ("apply_digest", True)):
-                start = time.perf_counter()
-                done = bitdiff.patch(old_bits, where, values, keep=True, with_digest=hashed)
-                seconds[key] += time.perf_counter() - start
-                assert done.saved is not None
-                bitdiff.kernels().scatter(old_bits, where, done.saved)  # the old version again
-            start = time.perf_counter()
-            saved = _apply_with_terms(old_bits, where, values, terms)
-            seconds["apply_terms"] += time.perf_counter() - start
-            bitdiff.kernels().scatter(old_bits, where, saved)
-            start = time.perf_counter()
-            updated = bitdiff.find(
-                old_bits, new_bits, max_changed=most, position_dtype=positions, prefix=0, with_digest=False, update=True
-            )
-            seconds["update"] += time.perf_counter() - start
-            assert updated.saved is not None
-            bitdiff.kernels().scatter(old_bits, where, updated.saved)
-            held = old_bits.copy()  # the receiver's copy
-            start = time.perf_counter()
-            applying = receiver.submit(_apply_with_terms, held, where, values, terms)
-            updated = bitdiff.find(
-                old_bits,
-                new_bits,
-                max_changed=most,
-                position_dtype=positions,
-                prefix=0,
-                with_digest=True,
-                update=True,
-                old_digest=old_digest,
-            )
-            applying.result()
-            seconds["pair"] += time.perf_counter() - start
-            assert updated.saved is not None
-            bitdiff.kernels().scatter(old_bits, where, updated.saved)
-        receiver.shutdown()
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pair-receiver") as receiver:
+            for (_, new), old in zip(_WEIGHTS, _PREVIOUS):
+                self._floor_of(new, old, seconds, receiver)
         return seconds
+
+    @staticmethod
+    def _floor_of(
+        new: torch.Tensor, old: torch.Tensor, seconds: dict[str, float], receiver: concurrent.futures.Executor
+    ) -> None:
+        """:meth:`floor`'s parts for one weight, added to ``seconds``; ``old`` is left as it was."""
+        new_bits, old_bits = new.view(torch.int16).numpy(), old.view(torch.int16).numpy()
+        compare = functools.partial(
+            bitdiff.find, old_bits, new_bits, max_changed=new.numel() // 3, position_dtype=np.dtype(np.int32), prefix=0
+        )
+        start = time.perf_counter()
+        found = compare(with_digest=False)
+        seconds["floor"] += time.perf_counter() - start
+        old_digest = bitdiff.digest(old_bits.view(np.uint8))  # what the sender keeps from the refit before
+        start = time.perf_counter()
+        compare(with_digest=True, old_digest=old_digest)
+        seconds["digest"] += time.perf_counter() - start
+        if found.over or found.blob is None:
+            return
+        at, _ = bitdiff.layout(found.count, 0, 4, 2)
+        where, values = found.blob[: 4 * found.count].view(np.int32), found.blob[at:].view(np.int16)
+        nothing = np.empty(0, dtype=np.int32)
+        terms = bitdiff.patch(old_bits, nothing, old_bits[:0], keep=False, with_digest=True).terms  # untimed
+        for key, hashed in (("apply", False), ("apply_digest", True)):
+            start = time.perf_counter()
+            done = bitdiff.patch(old_bits, where, values, keep=True, with_digest=hashed)
+            seconds[key] += time.perf_counter() - start
+            assert done.saved is not None
+            bitdiff.kernels().scatter(old_bits, where, done.saved)  # the old version again
+        start = time.perf_counter()
+        saved = _apply_with_terms(old_bits, where, values, terms)
+        seconds["apply_terms"] += time.perf_counter() - start
+        bitdiff.kernels().scatter(old_bits, where, saved)
+        start = time.perf_counter()
+        updated = compare(with_digest=False, update=True)
+        seconds["update"] += time.perf_counter() - start
+        assert updated.saved is not None
+        bitdiff.kernels().scatter(old_bits, where, updated.saved)
+        held = old_bits.copy()  # the pair's receiver patches a copy of its own
+        start = time.perf_counter()
+        applying = receiver.submit(_apply_with_terms, held, where, values, terms)
+        updated = compare(with_digest=True, update=True, old_digest=old_digest)
+        applying.result()
+        seconds["pair"] += time.perf_counter() - start
+        assert updated.saved is not None
+        bitdiff.kernels().scatter(old_bits, where, updated.saved)
 
 
 def _apply_with_terms(held: np.ndarray, where: np.ndarray, values: np.ndarray, terms: np.ndarray | None) -> np.ndarray:
