@@ -8,18 +8,26 @@ one run means something on a noisy machine; two figures of two runs do not).
   workers with a 1-byte answer back.
 * ``SharedMemoryWorker``: shared host memory (what ``cuda_ipc`` with ``device="cpu"`` moves
   through), a copy in and a copy out with a 1-byte message over a Unix socket each way.
-* :func:`small_refit_floor`: a pool of two of either, measuring a small refit's floor (its
-  bytes moved plus one round trip), the figure a small refit's fixed cost is judged against.
+* :class:`HandOffs`: either round trip with each side's part run as an engine runs a refit,
+  awaited from an event loop on a thread of its own: the raw transport plus what the async
+  API adds.
+* :class:`SmallRefitFloor`: a pool of two of either, measuring a small refit's floor (its
+  bytes moved plus one round trip), the figure a small refit's fixed cost is judged against;
+  a benchmark alternates its samples with its own. :func:`small_refit_floor` takes them in a row.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
 import datetime
 import mmap
 import os
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,6 +38,48 @@ from ckpt_core.topology import Topology
 from ckpt_core.transport.torch_distributed import gloo_group
 
 
+def _sender_stamps(send: Callable[[], None], start_at: float) -> dict[str, float]:
+    """Run ``send`` at ``start_at`` (a ``time.perf_counter`` stamp) on this thread; its stamps."""
+    time.sleep(max(0.0, start_at - time.perf_counter()))
+    start = time.perf_counter()
+    send()
+    return {"started_at": start, "ended_at": time.perf_counter()}
+
+
+class HandOffs:
+    """A side's part of a transfer run as an engine runs a refit: a coroutine on an event loop
+    hands it to a worker thread kept from one call to the next and awaits it (the engines'
+    ``send_weights`` and ``receive_weight_batches`` never block their caller's loop). Its
+    stamps are the coroutine's, so they count the two hand-offs between the loop and the thread
+    that every refit makes on each side: what the async API adds to the raw transport."""
+
+    def __init__(self) -> None:
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def sender(self, send: Callable[[], None], start_at: float) -> dict[str, float]:
+        """``send`` from ``start_at``, as :func:`_sender_stamps` stamps it."""
+        return asyncio.run(self._run(send, start_at))
+
+    def receiver(self, receive: Callable[[], None]) -> dict[str, float]:
+        """``receive`` at once; ``{"ended_at"}``: when the loop has its outcome."""
+        return asyncio.run(self._run(receive, None))
+
+    async def _run(self, part: Callable[[], None], start_at: float | None) -> dict[str, float]:
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="floor-refit")
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+        start = time.perf_counter()
+        await asyncio.get_running_loop().run_in_executor(self._thread, part)
+        stamps = {"ended_at": time.perf_counter()}
+        return stamps if start_at is None else {"started_at": start, **stamps}
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown()
+            self._thread = None
+
+
 class RawGlooWorker:
     """One member of a raw Gloo transfer group; rank 0 is the sender."""
 
@@ -38,6 +88,7 @@ class RawGlooWorker:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._store: Any = None
         self._group: Any = None
+        self._hand_offs = HandOffs()
 
     def prepare(self) -> dict[str, Any]:
         if self.rank != 0:
@@ -74,23 +125,35 @@ class RawGlooWorker:
             seconds.append(time.perf_counter() - start)
         return {"rank": self.rank, "seconds": seconds, "lifetime_peak_rss_bytes": lifetime_peak_rss_bytes()}
 
-    def round_trip(self, *, nbytes: int, start_at: float) -> dict[str, float]:
+    def round_trip(self, *, nbytes: int, start_at: float, hand_offs: bool = False) -> dict[str, float]:
         """Rank 0, at ``start_at`` (a ``time.perf_counter`` stamp), sends ``nbytes`` as one
-        tensor to rank 1, which answers 1 byte once they are in; each rank's stamps."""
+        tensor to rank 1, which answers 1 byte once they are in; each rank's stamps.
+        ``hand_offs``: each side's part runs as an engine runs a refit (:class:`HandOffs`),
+        the receiver answering before its loop has the bytes."""
         payload = torch.ones(nbytes, dtype=torch.uint8)
         answer = torch.zeros(1, dtype=torch.uint8)
+        group, timeout = self._group, self.timeout
         if self.rank == 0:
-            time.sleep(max(0.0, start_at - time.perf_counter()))
-            start = time.perf_counter()
-            self._group.send([payload], 1, 0).wait(self.timeout)
-            self._group.recv([answer], 1, 1).wait(self.timeout)
-            return {"started_at": start, "ended_at": time.perf_counter()}
-        self._group.recv([payload], 0, 0).wait(self.timeout)
+
+            def send() -> None:
+                group.send([payload], 1, 0).wait(timeout)
+                group.recv([answer], 1, 1).wait(timeout)
+
+            return self._hand_offs.sender(send, start_at) if hand_offs else _sender_stamps(send, start_at)
+        if hand_offs:
+
+            def receive() -> None:
+                group.recv([payload], 0, 0).wait(timeout)
+                group.send([answer], 0, 1).wait(timeout)
+
+            return self._hand_offs.receiver(receive)
+        group.recv([payload], 0, 0).wait(timeout)
         ended = time.perf_counter()
-        self._group.send([answer], 0, 1).wait(self.timeout)
+        group.send([answer], 0, 1).wait(timeout)
         return {"ended_at": ended}
 
     def finalize(self) -> None:
+        self._hand_offs.close()
         self._group = None
         self._store = None
 
@@ -115,6 +178,7 @@ class SharedMemoryWorker:
         self._path = os.path.join(directory, "floor.sock")
         self._sock: socket.socket | None = None
         self._listener: socket.socket | None = None
+        self._hand_offs = HandOffs()
         if rank == 1:
             self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._listener.bind(self._path)
@@ -128,25 +192,38 @@ class SharedMemoryWorker:
             assert self._listener is not None
             self._sock, _ = self._listener.accept()
 
-    def round_trip(self, *, nbytes: int, start_at: float) -> dict[str, float]:
+    def round_trip(self, *, nbytes: int, start_at: float, hand_offs: bool = False) -> dict[str, float]:
         """As :meth:`RawGlooWorker.round_trip`, through the shared mapping."""
-        assert self._sock is not None and nbytes == self.nbytes
+        sock = self._sock
+        assert sock is not None and nbytes == self.nbytes
         if self.rank == 0:
-            time.sleep(max(0.0, start_at - time.perf_counter()))
-            start = time.perf_counter()
-            self.shared.copy_(self.local)
-            self._sock.sendall(b"x")
-            self._sock.recv(1)
-            return {"started_at": start, "ended_at": time.perf_counter()}
-        self._sock.recv(1)
+
+            def send() -> None:
+                self.shared.copy_(self.local)
+                sock.sendall(b"x")
+                sock.recv(1)
+
+            return self._hand_offs.sender(send, start_at) if hand_offs else _sender_stamps(send, start_at)
+        if hand_offs:
+
+            def receive() -> None:
+                sock.recv(1)
+                self.local.copy_(self.shared)
+                sock.sendall(b"x")
+
+            return self._hand_offs.receiver(receive)
+        sock.recv(1)
         self.local.copy_(self.shared)
         ended = time.perf_counter()
-        self._sock.sendall(b"x")
+        sock.sendall(b"x")
         return {"ended_at": ended}
+
+    def finalize(self) -> None:
+        self._hand_offs.close()
 
 
 FLOOR_BACKENDS = ("gloo_cpu", "cuda_ipc")
-"""The backends :func:`small_refit_floor` has a floor for (``cuda_ipc`` with host memory)."""
+"""The backends :class:`SmallRefitFloor` has a floor for (``cuda_ipc`` with host memory)."""
 _START_MARGIN_S = 0.02  # a measurement's sender starts this long after the calls, once the receiver waits
 
 
@@ -163,39 +240,71 @@ def timed_pair(pool: Any, method: str, timeout_s: float = 60.0, **kwargs: Any) -
     return got["ended_at"] - sent["started_at"], sent["ended_at"] - sent["started_at"]
 
 
-def small_refit_floor(backend: str, nbytes: int, reps: int, *, env: dict[str, str] | None = None) -> list[float]:
-    """``reps`` measurements (seconds, after three untimed) of ``backend``'s raw transport
-    moving ``nbytes`` from one process to another plus one round trip: raw Gloo for
-    ``gloo_cpu``, shared host memory for ``cuda_ipc``."""
-    from ckpt_core.orchestration.local import LocalProcessPool
+class SmallRefitFloor:
+    """A pool of two workers measuring ``backend``'s small-refit floor: its raw transport moving
+    ``nbytes`` from one process to another plus one round trip (raw Gloo for ``gloo_cpu``,
+    shared host memory for ``cuda_ipc``). A context manager: entering starts the pool, joins
+    the two workers and runs untimed measurements; :meth:`sample` then measures once
+    (seconds). A benchmark alternates samples of it with its own, so that whatever the
+    machine does meanwhile weighs on both alike."""
 
-    if backend not in FLOOR_BACKENDS:
-        raise ValueError(f"no small-refit floor for backend {backend!r}; there is one for {FLOOR_BACKENDS}")
-    with tempfile.TemporaryDirectory(
-        prefix="ckpt-floor-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
-    ) as scratch:
-        if backend == "gloo_cpu":
-            specs: list[dict[str, Any]] = [
-                {"service": "ckpt_core.bench.baselines:RawGlooWorker", "rank": rank, "size": 2} for rank in range(2)
-            ]
-        else:
-            specs = [
-                {
-                    "service": "ckpt_core.bench.baselines:SharedMemoryWorker",
-                    "rank": rank,
-                    "directory": scratch,
-                    "nbytes": nbytes,
-                }
-                for rank in range(2)
-            ]
-        with LocalProcessPool(specs, labels=[f"{backend}-floor-0", f"{backend}-floor-1"], env=env) as pool:
-            if backend == "gloo_cpu":
+    def __init__(self, backend: str, nbytes: int, *, env: dict[str, str] | None = None) -> None:
+        if backend not in FLOOR_BACKENDS:
+            raise ValueError(f"no small-refit floor for backend {backend!r}; there is one for {FLOOR_BACKENDS}")
+        self.backend, self.nbytes, self.env = backend, nbytes, env
+        self._stack = contextlib.ExitStack()
+        self._pool: Any = None
+
+    def __enter__(self) -> SmallRefitFloor:
+        from ckpt_core.orchestration.local import LocalProcessPool
+
+        with contextlib.ExitStack() as stack:
+            scratch = stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="ckpt-floor-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            )
+            if self.backend == "gloo_cpu":
+                specs: list[dict[str, Any]] = [
+                    {"service": "ckpt_core.bench.baselines:RawGlooWorker", "rank": rank, "size": 2} for rank in range(2)
+                ]
+            else:
+                specs = [
+                    {
+                        "service": "ckpt_core.bench.baselines:SharedMemoryWorker",
+                        "rank": rank,
+                        "directory": scratch,
+                        "nbytes": self.nbytes,
+                    }
+                    for rank in range(2)
+                ]
+            labels = [f"{self.backend}-floor-{rank}" for rank in range(2)]
+            pool = stack.enter_context(LocalProcessPool(specs, labels=labels, env=self.env))
+            if self.backend == "gloo_cpu":
                 (prepared,) = pool.call([(0, "prepare", {})], 60.0)
                 joins = pool.call([(rank, "init", {"metadata": [prepared.value, {}]}) for rank in range(2)], 60.0)
             else:
                 joins = pool.call([(rank, "connect", {}) for rank in range(2)], 60.0)
             if not all(result.ok for result in joins):
                 raise RuntimeError("\n".join(result.describe() for result in joins if not result.ok))
-            for _ in range(3):
-                timed_pair(pool, "round_trip", nbytes=nbytes)
-            return [timed_pair(pool, "round_trip", nbytes=nbytes)[0] for _ in range(reps)]
+            self._pool = pool
+            for hand_offs in (False, True) * 2:
+                self.sample(hand_offs=hand_offs)
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool = None
+        self._stack.close()
+
+    def sample(self, *, hand_offs: bool = False) -> float:
+        """One measurement of the floor, in seconds; ``hand_offs``: with each side's part run
+        as an engine runs a refit (:class:`HandOffs`)."""
+        if self._pool is None:
+            raise RuntimeError("SmallRefitFloor.sample() runs inside its with block")
+        return timed_pair(self._pool, "round_trip", nbytes=self.nbytes, hand_offs=hand_offs)[0]
+
+
+def small_refit_floor(backend: str, nbytes: int, reps: int, *, env: dict[str, str] | None = None) -> list[float]:
+    """``reps`` measurements (seconds, after untimed ones) of ``backend``'s small-refit floor
+    (:class:`SmallRefitFloor`), taken one after another."""
+    with SmallRefitFloor(backend, nbytes, env=env) as floor:
+        return [floor.sample() for _ in range(reps)]
