@@ -49,6 +49,17 @@ def test_the_fit_separates_the_cost_of_bytes_and_of_changed_elements() -> None:
     assert model.per_byte_whole == pytest.approx(0.3 / GB)
 
 
+def test_each_refit_added_moves_the_fit_the_next_choices_use() -> None:
+    """The fit is solved once per refit added, not per weight asked about; asked after more
+    refits (patches now at four times the cost), it is theirs."""
+    model = fitted(whole_s_per_gb=0.3)
+    assert not model.releases(GB, GB // 2, 0.02)  # the fit is solved here
+    for _ in range(8):
+        model.add(RefitCosts(0.6, 0, 0, GB, 1000))
+    assert model.per_byte_patched == pytest.approx(0.6 / GB, rel=0.05)
+    assert model.releases(GB, GB // 2, 0.02)
+
+
 def test_a_weight_is_released_where_its_patch_is_predicted_slower_and_tracked_again_with_a_margin() -> None:
     """Patch of 1 GB at fraction f: 0.15 + 5 f seconds; whole: 0.3 s. Released from 3%;
     tracked again only at or below 0.8 x 0.3 s (f <= 1.8%), so a weight near 3% stays put."""

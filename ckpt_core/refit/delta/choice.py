@@ -118,6 +118,9 @@ class CostModel:
         self._gram = np.zeros((2, 2))  # patched part: decayed sums of x x^T and x y, x = (GB, G elements)
         self._moment = np.zeros(2)
         self._evidence = {"untracked": 0, "tracked": 0, "patched": 0}
+        # The patched fit of the refits added so far, solved once for all the choices of the
+        # next refit (a solve costs more than the rest of a weight's choice): (fit,) or None.
+        self._fitted: tuple[np.ndarray | None] | None = None
 
     def add(self, refit: RefitCosts) -> None:
         """One refit's measurement: it teaches the part of the kind it sent most bytes of."""
@@ -143,6 +146,7 @@ class CostModel:
             sums *= DECAY
             sums += (seconds, parts[kind] / _GB)
         self._evidence[kind] += parts[kind]
+        self._fitted = None
 
     def _predicted(self, kind: str, refit: RefitCosts) -> float:
         """The seconds the fit so far gives the part of ``refit`` of ``kind`` (0 unknown)."""
@@ -159,7 +163,13 @@ class CostModel:
         return float(sums[0] / sums[1]) / _GB
 
     def _patched_fit(self) -> np.ndarray | None:
-        """(seconds per GB patched, seconds per G elements changed), held near the prior."""
+        """(seconds per GB patched, seconds per G elements changed), held near the prior
+        (``None`` until measured). Solved once per :meth:`add`; not to be modified."""
+        if self._fitted is None:
+            self._fitted = (self._solve_patched(),)
+        return self._fitted[0]
+
+    def _solve_patched(self) -> np.ndarray | None:
         if self._evidence["patched"] < MIN_EVIDENCE_BYTES:
             return None
         ridge = _PRIOR_STRENGTH * np.diag(np.diag(self._gram) + 1e-12)  # relative: the features' scales differ
