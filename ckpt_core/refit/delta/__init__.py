@@ -28,6 +28,7 @@ little-endian), the positions, zeros up to a multiple of 8 bytes, the values.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
 from typing import Any, NamedTuple
 
@@ -129,8 +130,7 @@ def patch_bytes(changed: int, numel: int, element_size: int) -> int:
 
 def encoded_bytes(changed: int, numel: int, element_size: int) -> int:
     """The size of the wire form of a patch of ``changed`` elements (:func:`compare`)."""
-    width = torch.empty((), dtype=position_dtype(numel)).element_size()
-    return bitdiff.layout(changed, DIGEST_BYTES, width, element_size)[1]
+    return bitdiff.layout(changed, DIGEST_BYTES, position_dtype(numel).itemsize, element_size)[1]
 
 
 def diff(old: torch.Tensor, new: torch.Tensor, *, name: str) -> Patch | None:
@@ -261,6 +261,7 @@ def most_changed(tensor: torch.Tensor) -> int:
     return _most_changed(tensor.numel(), tensor.element_size(), encoded=True) if patchable(tensor) else -1
 
 
+@functools.lru_cache(maxsize=1024)  # asked of every weight at every refit, several times; shapes repeat
 def _most_changed(numel: int, width: int, *, encoded: bool) -> int:
     """The most changed elements a patch (or its wire form) may hold and still be fewer bytes
     than the whole tensor; -1 where none may, not even an empty one. (A tensor of no elements
