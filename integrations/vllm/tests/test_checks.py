@@ -326,6 +326,51 @@ def test_an_adapter_send_with_bad_arguments_is_refused_before_anything_is_sent(
         trainer.send_adapter(name, [], config={"r": 8}, version=version)
 
 
+# --- an adapter against the model's layers -----------------------------------------------------
+
+DOWN = "base_model.model.model.layers.0.mlp.down_proj"
+LORA_CONFIG = {"r": 8, "lora_alpha": 16, "target_modules": ["down_proj"]}
+
+
+class _SizedLayer(torch.nn.Module):
+    """A layer sized as vLLM's LoRA-served layers say it (``input_size``, ``output_size``)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.input_size = in_features
+        self.output_size = out_features
+
+
+def _one_layer_model(in_features: int, out_features: int) -> torch.nn.Module:
+    """A model whose one LoRA-served layer is ``model.layers.0.mlp.down_proj``."""
+    block = torch.nn.Module()
+    block.mlp = torch.nn.Module()
+    block.mlp.down_proj = _SizedLayer(in_features, out_features)
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([block])
+    return model
+
+
+def _adapter(in_features: int, out_features: int) -> dict[str, torch.Tensor]:
+    return {f"{DOWN}.lora_A.weight": torch.zeros(8, in_features), f"{DOWN}.lora_B.weight": torch.zeros(out_features, 8)}
+
+
+def test_an_adapter_that_does_not_fit_its_layer_is_refused_also_once_the_layers_shape_is_remembered() -> None:
+    from ckpt_vllm.errors import AdapterError
+    from ckpt_vllm.model.lora import check_adapter
+
+    model = _one_layer_model(64, 32)
+    shapes: dict[str, tuple[int, int]] = {}
+    check_adapter(_adapter(64, 32), LORA_CONFIG, model, {}, shapes)
+    assert shapes == {DOWN: (64, 32)}
+    said = "down_proj: lora_A [8, 32] and lora_B [64, 8] do not fit the model's layer (64 in, 32 out)"
+    for remembered in (shapes, None):  # the remembered shape, and the layer looked up again
+        with pytest.raises(AdapterError, match=re.escape(said)):
+            check_adapter(_adapter(32, 64), LORA_CONFIG, model, {}, remembered)
+    check_adapter(_adapter(64, 32), LORA_CONFIG, model, {}, shapes)
+
+
 # --- init_info, as vLLM passes it on (a dict, from Python or JSON) -----------------------------
 
 INIT_INFO = {"transport": "gloo_cpu", "bucket_size_bytes": 1 << 20, "rendezvous": "127.0.0.1:1"}

@@ -69,11 +69,17 @@ def lora_request(name: str, lora_id: int, version: str) -> Any:
 
 
 def check_adapter(
-    tensors: dict[str, torch.Tensor], config: dict[str, Any], model: Any, packed: dict[str, list[str]]
+    tensors: dict[str, torch.Tensor],
+    config: dict[str, Any],
+    model: Any,
+    packed: dict[str, list[str]],
+    shapes: dict[str, tuple[int, int]] | None = None,
 ) -> None:
     """Refuse, with :class:`AdapterError`, an adapter ``model`` (vLLM's, its LoRA layers
     wrapped) cannot serve as its config says; ``packed``: the model's packed modules
-    (``qkv_proj`` -> ``q_proj, k_proj, v_proj``)."""
+    (``qkv_proj`` -> ``q_proj, k_proj, v_proj``). ``shapes``: the layer shapes found for
+    ``model`` so far, by module (read and added to: a worker's model does not change, and
+    looking a layer up costs more than the rest of its checks)."""
     rank = config.get("r")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
         raise AdapterError(f"the adapter's config needs 'r', its rank, a positive int; got {rank!r}")
@@ -98,7 +104,11 @@ def check_adapter(
                 f"{module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} are not of rank {rank} "
                 "(lora_A [r, in_features], lora_B [out_features, r], r from the config)"
             )
-        expected = _layer_shape(model, module, packed)
+        expected = shapes.get(module) if shapes is not None else None
+        if expected is None:
+            expected = _layer_shape(model, module, packed)
+            if shapes is not None:
+                shapes[module] = expected
         if (a.shape[1], b.shape[0]) != expected:
             raise AdapterError(
                 f"{module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit the model's layer "
@@ -138,6 +148,7 @@ class AdapterStore:
         self._manager = manager  # vLLM's WorkerLoRAManager
         self._held: dict[str, dict[str, HeldAdapter]] = {}  # name -> version -> adapter
         self._loaded: dict[str, tuple[int, str]] = {}  # name -> (id, version) vLLM last loaded
+        self._shapes: dict[str, tuple[int, int]] = {}  # module -> its layer's (in, out), as found
 
     _ATTRIBUTE = "_ckpt_engine_adapters"  # where a vLLM worker keeps its store
 
@@ -180,7 +191,7 @@ class AdapterStore:
                 f"adapter {adapter.name!r} version {adapter.version!r} is the one served: give each refit a new "
                 "version (vLLM keys its prefix cache by it, so a reused one would serve the old keys and values)"
             )
-        check_adapter(adapter.tensors, adapter.config, self._manager._adapter_manager.model, self._packed)
+        check_adapter(adapter.tensors, adapter.config, self._manager._adapter_manager.model, self._packed, self._shapes)
         self._peft(adapter)
         versions = self._held.get(adapter.name, {})
         kept = {v: held for v, held in versions.items() if v == loaded}
@@ -262,14 +273,19 @@ class AdapterStore:
 
         model = self._manager._adapter_manager.model
         mapper = getattr(model, "hf_to_vllm_mapper", None)
-        # vLLM scales lora_B in place when it registers the model: build it from copies.
-        copies = {name: tensor.detach().clone() for name, tensor in adapter.tensors.items()}
+        dtype = self._manager.lora_config.lora_dtype
+        # vLLM scales lora_B in place when it registers the model: it must get copies. Its own
+        # cast to ``dtype`` makes one of a tensor of another dtype; any other is copied here.
+        copies = {
+            name: tensor if isinstance(dtype, torch.dtype) and tensor.dtype != dtype else tensor.detach().clone()
+            for name, tensor in adapter.tensors.items()
+        }
         return LoRAModel.from_lora_tensors(
             lora_id,
             copies,
             self._peft(adapter),
             device="cpu",
-            dtype=self._manager.lora_config.lora_dtype,
+            dtype=dtype,
             model_vocab_size=self._manager.vocab_size,
             weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
             skip_prefixes=getattr(model, "lora_skip_prefixes", None),
