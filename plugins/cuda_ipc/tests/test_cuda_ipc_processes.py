@@ -33,6 +33,18 @@ TIMEOUT_S = 4.0  # the engines' timeout_s: short, since the last test waits it o
 SHM_PREFIXES = ("ckpt-cuda-ipc", "cuda_ipc", "psm_", "torch_", "sem.")
 
 
+def _left_in_shm(before: set[str], settle_s: float = 5.0) -> list[str]:
+    """Segments named as ours might be, made since ``before`` and still there after
+    ``settle_s``: a test running beside these makes and removes its own meanwhile (seen:
+    ``psm_`` and ``sem.mp-`` names gone a moment later), where a leak of ours stays."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        left = sorted(n for n in set(os.listdir("/dev/shm")) - before if n.startswith(SHM_PREFIXES))
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.1)
+
+
 class Workers:
     """Policy ranks 0, 1 (workers 0, 1) and rollout ranks 0, 1 (workers 2, 3) running cuda_ipc
     on host buffers, with the descriptor count each had before any engine was used."""
@@ -67,7 +79,7 @@ def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workers]:
     )
     with LocalProcessPool(specs, labels=labels) as pool:
         yield Workers(pool)
-    left = sorted(n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith(SHM_PREFIXES))
+    left = _left_in_shm(shm_before)
     assert not left, f"left in /dev/shm: {left}"
     assert os.listdir(socket_dir) == [], "control sockets or directories were left behind"
 
