@@ -48,7 +48,9 @@ def ckpt_core_bucket_received(context: RefitContext, bucket_index: int, nbytes: 
 @hookspec
 def ckpt_core_refit_finished(context: RefitContext, stats: RefitStats) -> None:
     """The worker's part of the refit completed; ``stats`` has its bytes, tensors and timings.
-    On a receiver, every tensor of the refit has been yielded."""
+    On a receiver, every tensor of the refit has been received and checked; the caller may
+    not have taken the last batch yet (a receiver that owns its tensors ends the refit with
+    it, see ``BucketedEngine.receive_weight_batches``)."""
 
 
 @hookspec

@@ -49,6 +49,7 @@ def receive_refit(
     borrow: bool = False,
     memo: ReceiveMemo | None = None,
     cancel: threading.Event | None = None,
+    progress: ReceiveProgress | None = None,
 ) -> Generator[list[tuple[str, torch.Tensor]], None, None]:
     """Yield the ``(name, tensor)`` batches of one refit, one batch per bucket that completes
     tensors, in the sender's order. Tensors own their memory (never a transport's buffer;
@@ -60,7 +61,8 @@ def receive_refit(
     tensors carried whole by one bucket are views of the receiver's buffer, valid until the
     caller asks for the next batch (the buffer's slot is released to the transport only then).
     ``memo``: this receiver's memory of earlier refits' buckets; a bucket whose chunk list
-    repeats is not decoded, checked or planned again.
+    repeats is not decoded, checked or planned again. ``progress`` (if given) tells the caller,
+    between batches, when the last bucket's bytes have arrived.
 
     Blocking: each ``next()`` waits for the transport on the calling thread (the engine runs
     it on a thread of its own). ``cancel``: once set, the refit stops with ``RefitCancelled``
@@ -70,7 +72,14 @@ def receive_refit(
     start = time.perf_counter()
     notifier.started(context)
     device = torch.device(merge_device) if merge_device is not None else None
-    buckets = _BucketStream(receiver, refit, ChunkAssembler(device), borrow=borrow, memo=memo or ReceiveMemo())
+    buckets = _BucketStream(
+        receiver,
+        refit,
+        ChunkAssembler(device),
+        borrow=borrow,
+        memo=memo or ReceiveMemo(),
+        progress=progress or ReceiveProgress(),
+    )
     try:
         for batch in buckets.tensor_batches():
             refit.stats.tensors += len(batch)
@@ -81,6 +90,18 @@ def receive_refit(
         raise
     refit.stats.seconds = time.perf_counter() - start
     notifier.finished(context, refit.stats)
+
+
+class ReceiveProgress:
+    """Where a running :func:`receive_refit` stands, for the thread that drives it to read
+    between two batches."""
+
+    __slots__ = ("received_all",)
+
+    def __init__(self) -> None:
+        self.received_all = False
+        """The refit's last bucket has arrived: what is left of it (copying out, checking,
+        the batches' hand-over) waits on no peer."""
 
 
 class ReceiveMemo:
@@ -120,10 +141,18 @@ class _BucketStream:
     """Turns a receiver's headers and payloads into verified tensor batches, one per bucket."""
 
     def __init__(
-        self, receiver: BucketReceiver, refit: RefitRun, assembler: ChunkAssembler, *, borrow: bool, memo: ReceiveMemo
+        self,
+        receiver: BucketReceiver,
+        refit: RefitRun,
+        assembler: ChunkAssembler,
+        *,
+        borrow: bool,
+        memo: ReceiveMemo,
+        progress: ReceiveProgress,
     ) -> None:
         self.receiver = receiver
         self.memo = memo
+        self.progress = progress
         self.refit = refit
         self.stats = refit.stats
         self.assembler = assembler
@@ -162,6 +191,7 @@ class _BucketStream:
                 self._take_back()
             with timed(self.stats, "transfer_seconds"):
                 self.receiver.wait_payload(bucket.slot, self.refit.timeout_s)
+            self.progress.received_all = bucket.header.last
             if eager or bucket.header.paced:  # paced: the next bucket is a while away
                 batch = self._finish(bucket)
                 if batch:

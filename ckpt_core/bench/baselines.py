@@ -227,16 +227,24 @@ FLOOR_BACKENDS = ("gloo_cpu", "cuda_ipc")
 _START_MARGIN_S = 0.02  # a measurement's sender starts this long after the calls, once the receiver waits
 
 
-def timed_pair(pool: Any, method: str, timeout_s: float = 60.0, **kwargs: Any) -> tuple[float, float]:
+def timed_stamps(
+    pool: Any, method: str, timeout_s: float = 60.0, **kwargs: Any
+) -> tuple[dict[str, float], dict[str, float]]:
     """Call ``method`` on workers 0 (the sender) and 1 at once, the sender starting
-    ``_START_MARGIN_S`` later: ``(sender start to receiver end, sender start to sender end)``
-    from the stamps they return (``time.perf_counter``: one clock for a machine's processes)."""
+    ``_START_MARGIN_S`` later (``start_at``, a ``time.perf_counter`` stamp: one clock for a
+    machine's processes): the stamps each returned, ``(sender's, receiver's)``."""
     start_at = time.perf_counter() + _START_MARGIN_S
     results = pool.call([(rank, method, {**kwargs, "start_at": start_at}) for rank in (0, 1)], timeout_s)
     failed = [result.describe() for result in results if not result.ok]
     if failed:
         raise RuntimeError("\n".join(failed))
     sent, got = (result.value for result in results)
+    return sent, got
+
+
+def timed_pair(pool: Any, method: str, timeout_s: float = 60.0, **kwargs: Any) -> tuple[float, float]:
+    """:func:`timed_stamps`, as ``(sender start to receiver end, sender start to sender end)``."""
+    sent, got = timed_stamps(pool, method, timeout_s, **kwargs)
     return got["ended_at"] - sent["started_at"], sent["ended_at"] - sent["started_at"]
 
 

@@ -13,6 +13,7 @@ own thread (:mod:`._refit_thread`), hooks and statistics.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import uuid
@@ -26,7 +27,7 @@ from ckpt_core._internal.agreement import AGREED_KEY
 from ckpt_core._internal.bucket_io import BucketReceiver, BucketSender
 from ckpt_core._internal.fanout import Destination, send_refit_each
 from ckpt_core._internal.pipeline import RefitCancelled
-from ckpt_core._internal.receive import ReceiveMemo, receive_refit
+from ckpt_core._internal.receive import ReceiveMemo, ReceiveProgress, receive_refit
 from ckpt_core._internal.replay import PackingRecord
 from ckpt_core._internal.send import send_refit
 from ckpt_core._internal.wire import FORMAT_VERSION
@@ -354,7 +355,7 @@ class BucketedEngine(TransportHooks, CheckpointEngine):
             if self._sender is None:
                 drainer = self._refit_thread("policy")
                 try:
-                    await drainer.run(functools.partial(_drain, weights, drainer.cancel))
+                    await drainer.run(functools.partial(_drain, weights, drainer.cancel), ends=_last_step)
                 finally:
                     await drainer.stop()
                 self._life.refit_index += 1
@@ -371,7 +372,7 @@ class BucketedEngine(TransportHooks, CheckpointEngine):
             try:
                 try:
                     per_stream = await runner.run(
-                        functools.partial(self._send, wrapped, context, notifier, runner.cancel)
+                        functools.partial(self._send, wrapped, context, notifier, runner.cancel), ends=_last_step
                     )
                 finally:
                     await runner.stop()  # the transport is never dropped under a running step
@@ -435,6 +436,11 @@ class BucketedEngine(TransportHooks, CheckpointEngine):
         refilled only once the next batch is asked for). Refit hooks fire on that thread. A
         consumer that does not ask for the next batch within ``timeout_s`` voids the refit (its
         sender would time out meanwhile): the next ``__anext__`` raises ``TransferTimeoutError``.
+        Without ``borrow_received_tensors``, once the last bucket has arrived the thread runs
+        the rest of the refit at once and ends it there, handing over the last batch (or the
+        last few, where a refit kind yields more at its end) with the refit done: the consumer
+        may hold it as long as it likes, and the loop ends without another hand-off to the
+        thread.
 
         Stopping early (``aclose()``, or cancelling the task awaiting ``__anext__``, whose
         transport wait in progress ends first, within ``timeout_s``) fails the engine, drops
@@ -449,6 +455,7 @@ class BucketedEngine(TransportHooks, CheckpointEngine):
             completed = False
             generation = self._life.generation
             cancel = threading.Event()
+            progress = ReceiveProgress()
             batches = receive_refit(
                 self._receiver,
                 bucket_size=self.bucket_size,
@@ -461,15 +468,23 @@ class BucketedEngine(TransportHooks, CheckpointEngine):
                 borrow=self.borrow_received_tensors,
                 memo=self._receive_memo,
                 cancel=cancel,
+                progress=progress,
             )
             for stage in reversed(self._stages):  # the last to wrap the send unwraps first
                 batches = stage.receive(batches, stats)
             runner = self._refit_thread("rollout", cancel=cancel, on_idle=batches.close)
-            step = functools.partial(next, batches, None)
+            # A lent buffer may be refilled once the next batch is asked for: never run ahead.
+            step = functools.partial(_take, batches, progress, finish_early=not self.borrow_received_tensors)
             try:
                 try:
-                    while (batch := await runner.run(step)) is not None:
-                        yield batch
+                    while True:
+                        taken = await runner.run(step, ends=_Taken.ends)
+                        for batch in taken.batches:
+                            yield batch
+                        if taken.error is not None:
+                            raise taken.error
+                        if taken.last:
+                            break
                     completed = True
                 finally:
                     await runner.stop(cleanup=None if completed else batches.close)
@@ -487,6 +502,45 @@ class BucketedEngine(TransportHooks, CheckpointEngine):
                         stage.receive_failed()
                     if generation == self._life.generation:
                         self._fail()
+
+
+def _last_step(_: object) -> bool:
+    """A ``RefitThread.run`` ``ends`` for a refit's only step: it ends there."""
+    return True
+
+
+@dataclasses.dataclass
+class _Taken:
+    """What one step of a receive took from its batches (on the refit's thread)."""
+
+    batches: list[list[tuple[str, torch.Tensor]]]
+    last: bool
+    """The refit's batches are all taken: it ended on its thread."""
+    error: Exception | None = None
+    """Raised by the refit after ``batches``, to be raised once they are handed over."""
+
+    def ends(self) -> bool:
+        return self.last
+
+
+def _take(
+    batches: Generator[list[tuple[str, torch.Tensor]], None, None], progress: ReceiveProgress, *, finish_early: bool
+) -> _Taken:
+    """A receive's step: its next batch. Once the last bucket has arrived (``progress``) and
+    with ``finish_early``, the rest of the refit too (the pipeline's and the stages' ends, which
+    wait on no peer): its caller then takes the last batches and the end with no more
+    hand-offs to this thread."""
+    batch = next(batches, None)
+    if batch is None:
+        return _Taken([], last=True)
+    if not (finish_early and progress.received_all):
+        return _Taken([batch], last=False)
+    taken = [batch]
+    try:
+        taken.extend(batches)
+    except Exception as exc:  # noqa: BLE001 - raised by the caller after the batches before it
+        return _Taken(taken, last=False, error=exc)
+    return _Taken(taken, last=True)
 
 
 def _drain(weights: Iterable[tuple[str, torch.Tensor]], cancel: threading.Event) -> None:
