@@ -15,7 +15,7 @@ to be scheduled, where handing a waiting one its next refit costs a wake-up.
 A refit's last step may end the refit on the thread, before its result is handed back
 (``run(..., ends=...)``): the carrier is then free for the next refit as the caller resumes,
 and :meth:`RefitThread.stop` has nothing to wait for, where it would otherwise cost two more
-hand-offs between the loop and the thread (0.1-0.4 ms on a loaded machine).
+hand-offs between the loop and the thread (0.1-0.3 ms here, docs/benchmarks.md).
 
 Cancellation: :meth:`RefitThread.stop` asks a step still running to stop (``cancel``, which the
 pipeline checks before each weight and bucket), waits for it, runs the refit's cleanup on the
