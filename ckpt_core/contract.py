@@ -9,6 +9,7 @@ The chunking algorithms are in :mod:`ckpt_core.chunking`, backend resolution in
 from __future__ import annotations
 
 import abc
+import asyncio
 import dataclasses
 import math
 from collections.abc import AsyncGenerator, Generator
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ckpt_core.errors import LayoutUnavailableError, WireFormatError
+from ckpt_core.errors import LayoutUnavailableError, LifecycleError, WireFormatError
 from ckpt_core.tensors import dtype_from_name, dtype_name
 
 __all__ = ["MAX_TENSOR_BYTES", "CheckpointEngine", "TensorMeta", "checked_meta", "tensor_geometry"]
@@ -184,3 +185,43 @@ class CheckpointEngine(abc.ABC):
         self,
     ) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
         """Yield (name, tensor) batches on the generation side."""
+
+    # -- for callers that block (not in NeMo RL's base) ----------------------------------------
+    def send_weights_blocking(self, weights: Generator[tuple[str, torch.Tensor], None, None]) -> None:
+        """``send_weights`` for a caller that blocks (a synchronous worker method, a script):
+        returns once the refit is sent. This default runs the coroutine on an event loop of its
+        own; an engine may run the refit on the calling thread instead, as ``BucketedEngine``
+        does. ``LifecycleError`` on a thread whose event loop is running: await
+        ``send_weights`` there."""
+        refuse_running_loop("send_weights_blocking()", "await send_weights()")
+        asyncio.run(self.send_weights(weights))
+
+    def receive_weight_batches_blocking(self) -> Generator[list[tuple[str, torch.Tensor]], None, None]:
+        """``receive_weight_batches`` for a caller that blocks: the same batches as a plain
+        generator, which waits for each. This default steps the async generator on an event
+        loop of its own; an engine may step the refit on the calling thread instead, as
+        ``BucketedEngine`` does. Closing it early stops the refit early, as ``aclose()`` does.
+        ``LifecycleError`` on a thread whose event loop is running: iterate
+        ``receive_weight_batches`` there."""
+        refuse_running_loop("receive_weight_batches_blocking()", "async for over receive_weight_batches()")
+        batches = self.receive_weight_batches()
+        loop = asyncio.new_event_loop()
+        try:
+            while True:
+                try:
+                    batch = loop.run_until_complete(batches.__anext__())
+                except StopAsyncIteration:
+                    return
+                yield batch
+        finally:
+            loop.run_until_complete(batches.aclose())
+            loop.close()
+
+
+def refuse_running_loop(call: str, instead: str) -> None:
+    """``LifecycleError`` if this thread runs an event loop, which ``call`` would block."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise LifecycleError(f"{call} blocks, and this thread runs an event loop: use {instead} on it instead")

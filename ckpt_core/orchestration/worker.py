@@ -168,6 +168,18 @@ class RefitWorker:
             wall = time.perf_counter() - start
             result_digests = digests(received.items()) if self.verify else {}
             count = len(received)
+        return self._refitted(refit_index, wall, result_digests, count, by_destination)
+
+    def _refitted(
+        self,
+        refit_index: int,
+        wall: float,
+        result_digests: dict[str, str],
+        count: int,
+        by_destination: dict[str, dict[str, Any]],
+    ) -> dict[str, Any]:
+        """What :meth:`refit` returns for a refit this worker completed (a rollout's then
+        waits for its commit)."""
         if self.role == "rollout":
             self._uncommitted = refit_index
         stats = getattr(self.engine, "last_stats", None)

@@ -23,6 +23,7 @@ from ckpt_core.orchestration.worker import refit_worker_specs
 from ckpt_core.topology import Topology
 
 PROBE_SERVICE = "ckpt_core.testing.services:ProbeWorker"
+BLOCKING_PROBE_SERVICE = "ckpt_core.testing.services:BlockingProbeWorker"
 WEIGHTS = "ckpt_core.testing.weights:"
 
 # How LocalProcessPool reports a worker that died or stopped answering (and was killed).
@@ -95,6 +96,8 @@ class ConformanceCluster:
     own GPU, say). ``env`` is the workers' whole environment (``None``: inherit this one's).
     ``call_timeout_s`` bounds every lifecycle step: a worker that has not answered by then is
     killed and reported, so a hanging engine fails a test instead of stalling the run.
+    ``blocking`` makes every worker drive its engine through the calls for callers that block
+    (``send_weights_blocking``, ``receive_weight_batches_blocking``).
     """
 
     def __init__(
@@ -107,8 +110,10 @@ class ConformanceCluster:
         worker_options: WorkerOptions | None = None,
         env: dict[str, str] | None = None,
         call_timeout_s: float = 120.0,
+        blocking: bool = False,
     ) -> None:
         self.backend = backend
+        self.blocking = blocking
         self.shape = shape
         self.bucket_size = bucket_size
         self.engine_options = dict(engine_options or {})
@@ -134,7 +139,9 @@ class ConformanceCluster:
             weights=WEIGHTS + "nothing",
         )
         for spec in specs:
-            if spec["role"] == "policy":
+            if self.blocking:
+                spec["service"] = BLOCKING_PROBE_SERVICE
+            elif spec["role"] == "policy":
                 spec["service"] = PROBE_SERVICE
             if self.worker_options is not None:
                 options = self.worker_options(dict(self.engine_options), spec["role"], spec["rank"])

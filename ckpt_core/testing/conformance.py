@@ -155,10 +155,18 @@ class TransportConformance:
         return conformance_cluster
 
     def _cluster_of_its_own(
-        self, settings: KitSettings, shape: Shape, options: dict[str, Any], call_timeout_s: float
+        self,
+        settings: KitSettings,
+        shape: Shape,
+        options: dict[str, Any],
+        call_timeout_s: float,
+        *,
+        blocking: bool = False,
     ) -> ConformanceCluster:
-        """Worker processes for one test that needs other engine options than the class's."""
+        """Worker processes for one test that needs other engine options than the class's
+        (``blocking``: workers that use the blocking calls)."""
         return ConformanceCluster(
+            blocking=blocking,
             backend=settings.backend,
             shape=shape,
             bucket_size=settings.bucket_size,
@@ -396,6 +404,23 @@ class TransportConformance:
                 assert report.rollout[0]["tensors"] == 600
                 cluster.refit("sized", {"sizes": [b // 3, 2 * b + 4, 40, b // 2], "seed": seed})
             cluster.refit("every_dtype", {"elements": b // 8 + 1, "seed": 22})
+
+    def test_blocking_calls_refit_bit_exact(self, conformance_settings: KitSettings) -> None:
+        """``send_weights_blocking`` and ``receive_weight_batches_blocking`` (the contract's
+        calls for callers that block; ``BucketedEngine`` runs them on the calling thread, with
+        no event loop there): bit-exact, in order, the policy's generator drained once, refit
+        after refit (the second replays the first's packing), several buckets and a tensor
+        larger than one."""
+        shape = Shape.coerce(type(self).shapes[0])
+        options = dict(conformance_settings.engine_options)
+        cluster = self._cluster_of_its_own(conformance_settings, shape, options, self.call_timeout_s, blocking=True)
+        b = conformance_settings.bucket_size
+        with cluster:
+            cluster.ensure_ready()
+            for seed in (30, 31):
+                report = cluster.refit("tiny", {"count": 600, "nbytes": 24, "seed": seed})
+                assert all(r["tensors"] == 600 for r in report.rollout)
+                cluster.refit("sized", {"sizes": [b // 3, 2 * b + 4, 40, b // 2], "seed": seed})
 
     # --- failures ------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ckpt_core.orchestration.worker import RefitWorker
-from ckpt_core.orchestration.workload import digests, load_target
+from ckpt_core.orchestration.workload import digests, load_target, tensor_digest
 from ckpt_core.rss import lifetime_peak_rss_bytes
 
 
@@ -57,7 +57,7 @@ class ProbeWorker(RefitWorker):
         consumption = Consumption()
         start = time.perf_counter()
         source = consumption.watch(factory(params, refit_index=refit_index, rank=self.rank))
-        asyncio.run(self.engine.send_weights(source))
+        self._send(source)
         wall = time.perf_counter() - start
         seen = dataclasses.replace(consumption)  # what the engine had done when it returned
         expected = digests(factory(params, refit_index=refit_index, rank=self.rank))
@@ -72,3 +72,34 @@ class ProbeWorker(RefitWorker):
             "lifetime_peak_rss_bytes": lifetime_peak_rss_bytes(),
             "consumption": {"pulled": seen.pulled, "exhausted": seen.exhausted, "expected": len(expected)},
         }
+
+    def _send(self, weights: Generator[tuple[str, torch.Tensor], None, None]) -> None:
+        asyncio.run(self.engine.send_weights(weights))
+
+
+class BlockingProbeWorker(ProbeWorker):
+    """A ``ProbeWorker`` that drives its engine through the calls for callers that block:
+    ``send_weights_blocking`` on a policy rank, ``receive_weight_batches_blocking`` on a
+    rollout rank, which digests each batch as it arrives (a borrowed batch is valid only
+    until the next). No event loop runs in its process's calling thread."""
+
+    def refit(
+        self, *, refit_index: int, weights: str | None = None, weights_params: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        if self.role == "policy":
+            return super().refit(refit_index=refit_index, weights=weights, weights_params=weights_params)
+        self._uncommitted = None
+        start = time.perf_counter()
+        seen: dict[str, str] = {}
+        for batch in self.engine.receive_weight_batches_blocking():
+            for name, tensor in batch:
+                if name in seen:
+                    raise ValueError(f"tensor {name!r} arrived twice in one refit")
+                seen[name] = tensor_digest(tensor) if self.verify else ""
+            if self.load_weights is not None:
+                self.load_weights(batch)
+        wall = time.perf_counter() - start
+        return self._refitted(refit_index, wall, seen if self.verify else {}, len(seen), {})
+
+    def _send(self, weights: Generator[tuple[str, torch.Tensor], None, None]) -> None:
+        self.engine.send_weights_blocking(weights)

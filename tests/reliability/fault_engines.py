@@ -96,9 +96,11 @@ class TruncatingGlooEngine(GlooCpuCheckpointEngine):
     """gloo_cpu whose rollout side silently drops the last batch of every refit and reports
     the refit as finished: a buggy receiver the coordinator must not trust."""
 
-    async def receive_weight_batches(self) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
+    async def receive_weight_batches(
+        self, *, owned: bool = False
+    ) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
         previous = None
-        async for batch in super().receive_weight_batches():
+        async for batch in super().receive_weight_batches(owned=owned):
             if previous is not None:
                 yield previous
             previous = batch

@@ -22,16 +22,16 @@ Batch = list[tuple[str, torch.Tensor]]
 class DropsEmptyTensors(GlooCpuCheckpointEngine):
     """Rollouts silently drop zero-element tensors."""
 
-    async def receive_weight_batches(self) -> AsyncGenerator[Batch, None]:
-        async for batch in super().receive_weight_batches():
+    async def receive_weight_batches(self, *, owned: bool = False) -> AsyncGenerator[Batch, None]:
+        async for batch in super().receive_weight_batches(owned=owned):
             yield [(name, tensor) for name, tensor in batch if tensor.numel()]
 
 
 class ReordersBatches(GlooCpuCheckpointEngine):
     """Rollouts yield a refit's batches last to first: every tensor arrives, out of order."""
 
-    async def receive_weight_batches(self) -> AsyncGenerator[Batch, None]:
-        batches = [batch async for batch in super().receive_weight_batches()]
+    async def receive_weight_batches(self, *, owned: bool = False) -> AsyncGenerator[Batch, None]:
+        batches = [batch async for batch in super().receive_weight_batches(owned=owned)]
         for batch in reversed(batches):
             yield batch
 
