@@ -243,8 +243,8 @@ def test_a_revision_is_measured_beside_this_tree(tmp_path: Path) -> None:
 def test_the_small_refit_benchmark_runs_beside_its_floors(tmp_path: Path) -> None:
     """``python -m benchmarks.small_refit`` in a tiny configuration: per backend, refits, the
     transport's floor (its bytes and a round trip) and that floor with the async API's
-    hand-offs, as many of each (they alternate), each positive; and when each receive
-    returned."""
+    hand-offs, and refits through the blocking calls, as many of each (they alternate), each
+    positive; and when each receive returned."""
     from benchmarks.small_refit import main
 
     args = ["--size", "400KB", "--tensors", "8", "--reps", "3", "--out", str(tmp_path)]
@@ -252,10 +252,16 @@ def test_the_small_refit_benchmark_runs_beside_its_floors(tmp_path: Path) -> Non
     results = json.loads((tmp_path / "small_refit.json").read_text())
     assert [measured["backend"] for measured in results["runs"]] == ["cuda_ipc", "gloo_cpu"]
     for measured in results["runs"]:
-        samples = ("refit_seconds", "received_seconds", "floor_seconds", "floor_with_hand_offs_seconds")
-        assert [len(measured[key]) for key in samples] == [3, 3, 3, 3]
+        samples = (
+            "refit_seconds",
+            "received_seconds",
+            "floor_seconds",
+            "floor_with_hand_offs_seconds",
+            "blocking_refit_seconds",
+        )
+        assert [len(measured[key]) for key in samples] == [3] * 5
         assert 0 < measured["floor_median_s"] and 0 < measured["floor_with_hand_offs_median_s"]
-        assert 0 < measured["refit_median_s"] < 1.0
+        assert 0 < measured["refit_median_s"] < 1.0 and 0 < measured["blocking_refit_median_s"] < 1.0
         # the receive returns after its last batch was taken
         assert all(map(operator.le, measured["refit_seconds"], measured["received_seconds"]))
     assert "| gloo_cpu |" in (tmp_path / "small_refit.md").read_text()
