@@ -27,7 +27,6 @@ refit, or reset it after (``VllmRollout`` does).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections.abc import Callable, Generator, Mapping
@@ -61,6 +60,7 @@ from ckpt_core.orchestration.workload import tensor_digest
 from ckpt_core.refit.layout import WeightLayout
 from ckpt_core.registry import create_checkpoint_engine, resolve_backend
 from ckpt_core.rss import peak_rss_bytes, reset_peak_rss, rss_bytes
+from ckpt_core.transport.engine import BucketedEngine
 from ckpt_vllm.errors import WorkersFailedError
 from ckpt_vllm.model.loading import LayerwiseLoad, own_pending_weights
 from ckpt_vllm.model.model_layout import checkpoint_parameter_bytes, derive_weight_layout, full_weight
@@ -402,24 +402,19 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
         as a failed update does."""
         engine = self._engine()
         tensors: dict[str, torch.Tensor] = {}
-        batches = engine.receive_weight_batches()
-        loop = asyncio.new_event_loop()
+        lent_by = _lent_by(engine, self.engine_kwargs)
+        batches = _blocking_batches(engine, owned=True)
         try:
-            while True:
-                try:
-                    batch = loop.run_until_complete(batches.__anext__())
-                except StopAsyncIteration:
-                    break
+            for batch in batches:
                 for name, tensor in batch:
                     if name in tensors:
                         raise InvalidArgumentError(f"{name}: sent twice in one adapter refit")
-                    tensors[name] = tensor.detach().clone()  # a borrowed batch's views are refilled
+                    tensors[name] = tensor.detach().clone() if lent_by(tensor) else tensor
         except BaseException as exc:
             self._fail("adapter", exc)
             raise
         finally:
-            loop.run_until_complete(batches.aclose())
-            loop.close()
+            batches.close()
         return tensors
 
     # -- what vLLM's API does not say ------------------------------------------------------
@@ -470,19 +465,15 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
         that fills its bucket exactly counts too); for an engine that cannot say, every tensor
         of a borrowed batch is."""
         assert self.info is not None
-        batches = engine.receive_weight_batches()
+        batches = _blocking_batches(engine)
         lent_by = _lent_by(engine, self.engine_kwargs)
-        # vLLM calls its worker's methods synchronously and its loader pulls one weight at a
-        # time, so the batches are stepped on a loop of our own (the transfer itself runs on
-        # the engine's refit thread; this loop only waits for each batch).
-        loop = asyncio.new_event_loop()
         try:
             while True:
                 guard.check()
                 asked = time.perf_counter()
                 try:
-                    batch = loop.run_until_complete(batches.__anext__())
-                except StopAsyncIteration:
+                    batch = next(batches)
+                except StopIteration:
                     return
                 finally:
                     tally.wait_seconds += time.perf_counter() - asked
@@ -502,8 +493,20 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
                 if lent:  # before the next batch refills the buffers these tensors view
                     tally.cloned_bytes += own_pending_weights(self.model, lent)
         finally:
-            loop.run_until_complete(batches.aclose())
-            loop.close()
+            batches.close()
+
+
+def _blocking_batches(
+    engine: CheckpointEngine, *, owned: bool = False
+) -> Generator[list[tuple[str, torch.Tensor]], None, None]:
+    """The engine's next refit as a generator that blocks for each batch: vLLM calls its
+    worker's methods synchronously, and its loader pulls one weight at a time, so the refit
+    runs on this thread (``BucketedEngine``; another engine steps its own async generator on a
+    loop of its own). ``owned``: tensors that own their memory even where the engine borrows
+    (``BucketedEngine`` only; see :func:`_lent_by` for the rest)."""
+    if isinstance(engine, BucketedEngine):
+        return engine.receive_weight_batches_blocking(owned=owned)
+    return engine.receive_weight_batches_blocking()
 
 
 def _accepts_option(backend: str, option: str) -> bool:
