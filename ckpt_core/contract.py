@@ -196,12 +196,16 @@ class CheckpointEngine(abc.ABC):
         refuse_running_loop("send_weights_blocking()", "await send_weights()")
         asyncio.run(self.send_weights(weights))
 
-    def receive_weight_batches_blocking(self) -> Generator[list[tuple[str, torch.Tensor]], None, None]:
+    def receive_weight_batches_blocking(
+        self, *, owned: bool = False
+    ) -> Generator[list[tuple[str, torch.Tensor]], None, None]:
         """``receive_weight_batches`` for a caller that blocks: the same batches as a plain
-        generator, which waits for each. This default steps the async generator on an event
-        loop of its own; an engine may step the refit on the calling thread instead, as
-        ``BucketedEngine`` does. Closing it early stops the refit early, as ``aclose()`` does.
-        ``LifecycleError`` on a thread whose event loop is running: iterate
+        generator, which waits for each. ``owned``: every tensor owns its memory, even where
+        the engine would lend its buffers (keep them past the next batch); this default clones
+        each tensor then, as it cannot tell which are lent. This default steps the async
+        generator on an event loop of its own; an engine may step the refit on the calling
+        thread instead, as ``BucketedEngine`` does. Closing it early stops the refit early, as
+        ``aclose()`` does. ``LifecycleError`` on a thread whose event loop is running: iterate
         ``receive_weight_batches`` there."""
         refuse_running_loop("receive_weight_batches_blocking()", "async for over receive_weight_batches()")
         batches = self.receive_weight_batches()
@@ -212,7 +216,7 @@ class CheckpointEngine(abc.ABC):
                     batch = loop.run_until_complete(batches.__anext__())
                 except StopAsyncIteration:
                     return
-                yield batch
+                yield [(name, tensor.clone()) for name, tensor in batch] if owned else batch
         finally:
             loop.run_until_complete(batches.aclose())
             loop.close()

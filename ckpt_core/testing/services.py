@@ -57,7 +57,7 @@ class ProbeWorker(RefitWorker):
         consumption = Consumption()
         start = time.perf_counter()
         source = consumption.watch(factory(params, refit_index=refit_index, rank=self.rank))
-        self._send(source)
+        self._send_refit(source)
         wall = time.perf_counter() - start
         seen = dataclasses.replace(consumption)  # what the engine had done when it returned
         expected = digests(factory(params, refit_index=refit_index, rank=self.rank))
@@ -73,7 +73,7 @@ class ProbeWorker(RefitWorker):
             "consumption": {"pulled": seen.pulled, "exhausted": seen.exhausted, "expected": len(expected)},
         }
 
-    def _send(self, weights: Generator[tuple[str, torch.Tensor], None, None]) -> None:
+    def _send_refit(self, weights: Generator[tuple[str, torch.Tensor], None, None]) -> None:
         asyncio.run(self.engine.send_weights(weights))
 
 
@@ -101,5 +101,5 @@ class BlockingProbeWorker(ProbeWorker):
         wall = time.perf_counter() - start
         return self._refitted(refit_index, wall, seen if self.verify else {}, len(seen), {})
 
-    def _send(self, weights: Generator[tuple[str, torch.Tensor], None, None]) -> None:
+    def _send_refit(self, weights: Generator[tuple[str, torch.Tensor], None, None]) -> None:
         self.engine.send_weights_blocking(weights)

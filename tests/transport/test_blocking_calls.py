@@ -268,6 +268,27 @@ def test_the_contracts_blocking_defaults_drive_an_engine_with_only_async_calls()
         assert_same(receive_copies(receiver.receive_weight_batches_blocking()), source)
         thread.join(30)
         assert receiver.closed and rollout.last_stats is not None
+    finally:
+        policy.finalize()
+        rollout.finalize()
+
+
+def test_the_contracts_owned_default_clones_what_a_borrowing_engine_lends() -> None:
+    policy, rollout = connected_pair(BUCKET, borrow_received_tensors=True)
+    sender, receiver = AsyncOnly(policy), AsyncOnly(rollout)
+    try:
+        source = weights(12)
+        thread = threading.Thread(target=sender.send_weights_blocking, args=((item for item in source),))
+        thread.start()
+        kept = [item for batch in receiver.receive_weight_batches_blocking(owned=True) for item in batch]
+        thread.join(30)
+        assert not any(rollout.lends(tensor) for _, tensor in kept)
+        later = weights(13)
+        thread = threading.Thread(target=sender.send_weights_blocking, args=((item for item in later),))
+        thread.start()
+        assert_same(receive_copies(receiver.receive_weight_batches_blocking()), later)
+        thread.join(30)
+        assert_same(kept, source)
 
         async def inside_a_loop() -> None:
             with pytest.raises(LifecycleError, match="event loop"):

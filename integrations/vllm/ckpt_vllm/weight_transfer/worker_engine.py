@@ -60,7 +60,6 @@ from ckpt_core.orchestration.workload import tensor_digest
 from ckpt_core.refit.layout import WeightLayout
 from ckpt_core.registry import create_checkpoint_engine, resolve_backend
 from ckpt_core.rss import peak_rss_bytes, reset_peak_rss, rss_bytes
-from ckpt_core.transport.engine import BucketedEngine
 from ckpt_vllm.errors import WorkersFailedError
 from ckpt_vllm.model.loading import LayerwiseLoad, own_pending_weights
 from ckpt_vllm.model.model_layout import checkpoint_parameter_bytes, derive_weight_layout, full_weight
@@ -402,14 +401,14 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
         as a failed update does."""
         engine = self._engine()
         tensors: dict[str, torch.Tensor] = {}
-        lent_by = _lent_by(engine, self.engine_kwargs)
-        batches = _blocking_batches(engine, owned=True)
+        # Owned: the adapter is held past this refit (a borrowing engine's views are refilled).
+        batches = engine.receive_weight_batches_blocking(owned=True)
         try:
             for batch in batches:
                 for name, tensor in batch:
                     if name in tensors:
                         raise InvalidArgumentError(f"{name}: sent twice in one adapter refit")
-                    tensors[name] = tensor.detach().clone() if lent_by(tensor) else tensor
+                    tensors[name] = tensor
         except BaseException as exc:
             self._fail("adapter", exc)
             raise
@@ -465,7 +464,9 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
         that fills its bucket exactly counts too); for an engine that cannot say, every tensor
         of a borrowed batch is."""
         assert self.info is not None
-        batches = _blocking_batches(engine)
+        # vLLM calls its workers synchronously and its loader pulls one weight at a time: the
+        # refit is stepped on this thread, with no event loop or refit thread between.
+        batches = engine.receive_weight_batches_blocking()
         lent_by = _lent_by(engine, self.engine_kwargs)
         try:
             while True:
@@ -494,19 +495,6 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
                     tally.cloned_bytes += own_pending_weights(self.model, lent)
         finally:
             batches.close()
-
-
-def _blocking_batches(
-    engine: CheckpointEngine, *, owned: bool = False
-) -> Generator[list[tuple[str, torch.Tensor]], None, None]:
-    """The engine's next refit as a generator that blocks for each batch: vLLM calls its
-    worker's methods synchronously, and its loader pulls one weight at a time, so the refit
-    runs on this thread (``BucketedEngine``; another engine steps its own async generator on a
-    loop of its own). ``owned``: tensors that own their memory even where the engine borrows
-    (``BucketedEngine`` only; see :func:`_lent_by` for the rest)."""
-    if isinstance(engine, BucketedEngine):
-        return engine.receive_weight_batches_blocking(owned=owned)
-    return engine.receive_weight_batches_blocking()
 
 
 def _accepts_option(backend: str, option: str) -> bool:
