@@ -363,22 +363,22 @@ class BucketedEngine(TransportHooks, CheckpointEngine):
         is sent: the same refit, errors and rules for ``weights``, without the hand-offs to
         and from the refit thread (about 0.2 ms each on a busy machine). For callers that
         block anyway (a synchronous worker method, a script). It runs the same refit as
-        ``send_weights``, not through it: a subclass that overrides one overrides both. It cannot be cancelled; each of
-        its transport waits is bounded by ``timeout_s``. ``LifecycleError`` on a thread whose
-        event loop is running."""
+        ``send_weights``, not through it: a subclass that overrides one overrides both. It
+        cannot be cancelled; each of its transport waits is bounded by ``timeout_s``.
+        ``LifecycleError`` on a thread whose event loop is running."""
         refuse_running_loop("send_weights_blocking()", "await send_weights()")
         with self._sending("send_weights_blocking()", weights) as refit:
             refit.result = refit.run(threading.Event())
 
     @contextlib.contextmanager
-    def _sending(self, call: str, weights: Generator[tuple[str, torch.Tensor], None, None]) -> Iterator[_Refit]:
+    def _sending(self, call: str, weights: Generator[tuple[str, torch.Tensor], None, None]) -> Iterator[_Send]:
         """One refit of this policy rank around the code that runs it (``refit.run``, given a
         cancel event, on whichever thread): the lifecycle's checks, refit numbering, and on
         failure the stages told and the engine failed."""
         self._life.require(Phase.POLICY, call)
         with self._life.refit_slot(call):
             if self._sender is None:
-                yield _Refit(functools.partial(_drain, weights))
+                yield _Send(functools.partial(_drain, weights))
                 self._life.refit_index += 1
                 return
             assert self._plan is not None
@@ -389,7 +389,7 @@ class BucketedEngine(TransportHooks, CheckpointEngine):
             wrapped: Weights = weights
             for stage in self._stages:  # once, before the weights are split among streams
                 wrapped = stage.send(wrapped)
-            refit = _Refit(functools.partial(self._send, wrapped, context, notifier))
+            refit = _Send(functools.partial(self._send, wrapped, context, notifier))
             try:
                 yield refit
             except BaseException as exc:
@@ -489,8 +489,11 @@ class BucketedEngine(TransportHooks, CheckpointEngine):
         the hand-offs to and from the refit thread (about 0.2 ms each on a busy machine, two
         per batch). For callers that block anyway (a synchronous worker method: vLLM's). Refit
         hooks fire on the calling thread. It runs the same refit as ``receive_weight_batches``,
-        not through it: a subclass that overrides one overrides both. Closing the generator early voids the refit, as
-        stopping early does there; each transport wait is bounded by ``timeout_s``.
+        not through it: a subclass that overrides one overrides both. Closing the generator
+        early voids the refit, as stopping early does there; each transport wait is bounded by
+        ``timeout_s``. Nothing here times the consumer between batches: one that holds a
+        borrowed batch too long is timed out by its sender, which voids the refit, and the next
+        batch raises what that brings (``RemoteRefitError`` or ``PeerLostError``).
         ``LifecycleError`` on a thread whose event loop is running."""
         refuse_running_loop("receive_weight_batches_blocking()", "async for over receive_weight_batches()")
         with self._receiving("receive_weight_batches_blocking()", owned) as refit:
@@ -561,7 +564,7 @@ class BucketedEngine(TransportHooks, CheckpointEngine):
 
 
 @dataclasses.dataclass
-class _Refit:
+class _Send:
     """A policy rank's refit in :meth:`BucketedEngine._sending`: ``run(cancel)`` sends it."""
 
     run: Callable[[threading.Event], Any]

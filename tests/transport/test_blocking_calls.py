@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncGenerator, Generator, Iterator
 from typing import Any
 
@@ -18,7 +19,14 @@ import torch
 
 import ckpt_core
 from ckpt_core.contract import CheckpointEngine
-from ckpt_core.errors import InvalidArgumentError, LifecycleError
+from ckpt_core.errors import (
+    CheckpointEngineError,
+    InvalidArgumentError,
+    LifecycleError,
+    PeerLostError,
+    RemoteRefitError,
+    TransferTimeoutError,
+)
 from ckpt_core.hooks import plugin_manager
 from ckpt_core.stats import RefitContext, RefitStats
 from ckpt_core.testing.in_process import InProcessEngine, connected_pair
@@ -295,6 +303,26 @@ def test_the_contracts_owned_default_clones_what_a_borrowing_engine_lends() -> N
                 next(receiver.receive_weight_batches_blocking())
 
         asyncio.run(inside_a_loop())
+    finally:
+        policy.finalize()
+        rollout.finalize()
+
+
+def test_a_blocking_consumer_that_holds_a_borrowed_batch_too_long_is_timed_out_by_its_sender() -> None:
+    """No watchdog on the calling thread: the sender's ``timeout_s`` voids the refit, and the
+    consumer's next batch raises a typed error instead of waiting."""
+    policy, rollout = connected_pair(BUCKET, borrow_received_tensors=True, timeout_s=0.5)
+    try:
+        sender = Sender(policy, weights(14))
+        batches = rollout.receive_weight_batches_blocking()
+        next(batches)
+        time.sleep(1.5)
+        with pytest.raises(CheckpointEngineError) as raised:
+            for _ in batches:
+                pass
+        sender.join()
+        assert isinstance(sender.error, TransferTimeoutError), sender.error
+        assert isinstance(raised.value, (RemoteRefitError, PeerLostError)), raised.value
     finally:
         policy.finalize()
         rollout.finalize()
