@@ -158,16 +158,19 @@ class RefitThread:
                 if not future.set_running_or_notify_cancel():
                     continue
                 try:
-                    result = call()
-                    last = ends is not None and ends(result)
+                    # Handed over in a box the caller empties: neither this thread nor the future
+                    # holds a step's result (a batch) once the caller has it, even while this
+                    # thread is still returning from the step after the caller resumed.
+                    box = [call()]
+                    last = ends is not None and ends(box[0])
                 except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
                     future.set_exception(exc)
                     continue
                 if last:
                     self._end()  # before the caller resumes: the next refit may use the carrier
-                    future.set_result(result)
+                    future.set_result(box)
                     return
-                future.set_result(result)
+                future.set_result(box)
         finally:
             self._end()
 
@@ -186,7 +189,7 @@ class RefitThread:
         type, unchanged) is raised here. ``ends``: asked of the result on the thread; where it
         is true, the refit ends there before the result is handed back (no later step may be
         run, and :meth:`stop` then waits for nothing). A ``call`` that raises never ends it."""
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        future: concurrent.futures.Future[list[T]] = concurrent.futures.Future()
         with self._idle_lock:
             if self._idled:
                 raise TransferTimeoutError(
@@ -196,7 +199,8 @@ class RefitThread:
                 raise RuntimeError("RefitThread.run(): the refit already ended on its thread; it takes no more steps")
             self._current = future
             self._requests.put((call, future, ends))
-        return await asyncio.wrap_future(future)
+        box = await asyncio.wrap_future(future)
+        return box.pop()
 
     async def stop(self, cleanup: Callable[[], None] | None = None) -> None:
         """End the refit: a step still running (its awaiting task was cancelled) is cancelled
