@@ -473,9 +473,7 @@ class BucketedEngine(TransportHooks, CheckpointEngine):
                     taken = await runner.run(refit.step, ends=_Taken.ends)
                     for batch in taken.batches:
                         yield batch
-                    if taken.error is not None:
-                        raise taken.error
-                    if taken.last:
+                    if taken.finished():
                         break
                 refit.completed = True
             finally:
@@ -501,9 +499,7 @@ class BucketedEngine(TransportHooks, CheckpointEngine):
                 while True:
                     taken = refit.step()
                     yield from taken.batches
-                    if taken.error is not None:
-                        raise taken.error
-                    if taken.last:
+                    if taken.finished():
                         break
                 refit.completed = True
             finally:
@@ -599,6 +595,12 @@ class _Taken:
     """Raised by the refit after ``batches``, to be raised once they are handed over."""
 
     def ends(self) -> bool:
+        return self.last
+
+    def finished(self) -> bool:
+        """Once its batches are handed over: raises the refit's error, else whether it ended."""
+        if self.error is not None:
+            raise self.error
         return self.last
 
 
