@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ckpt_core.errors import LayoutUnavailableError, LifecycleError, WireFormatError
+from ckpt_core.options import check_bool
 from ckpt_core.tensors import dtype_from_name, dtype_name
 
 __all__ = ["MAX_TENSOR_BYTES", "CheckpointEngine", "TensorMeta", "checked_meta", "tensor_geometry"]
@@ -208,6 +209,7 @@ class CheckpointEngine(abc.ABC):
         ``aclose()`` does. ``LifecycleError`` on a thread whose event loop is running: iterate
         ``receive_weight_batches`` there."""
         refuse_running_loop("receive_weight_batches_blocking()", "async for over receive_weight_batches()")
+        check_bool("receive_weight_batches_blocking()", "owned", owned)
         batches = self.receive_weight_batches()
         loop = asyncio.new_event_loop()
         try:

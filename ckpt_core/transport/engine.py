@@ -33,9 +33,9 @@ from ckpt_core._internal.replay import PackingRecord
 from ckpt_core._internal.send import send_refit
 from ckpt_core._internal.wire import FORMAT_VERSION
 from ckpt_core.contract import CheckpointEngine, refuse_running_loop
-from ckpt_core.errors import InvalidArgumentError, LayoutUnavailableError, WireFormatError
+from ckpt_core.errors import LayoutUnavailableError, WireFormatError
 from ckpt_core.hooks import RefitNotifier
-from ckpt_core.options import OptionSchema, OptionValues, document_options
+from ckpt_core.options import OptionSchema, OptionValues, check_bool, document_options
 from ckpt_core.refit.delta.stage import DeltaStage
 from ckpt_core.refit.layout.stage import LayoutStage
 from ckpt_core.refit.quantize.stage import QuantizeStage
@@ -511,8 +511,7 @@ class BucketedEngine(TransportHooks, CheckpointEngine):
         """One refit of this rollout rank around the code that steps it (``refit.step``, on
         whichever thread): the lifecycle's checks, and when the code is done, the stages'
         ends and refit numbering once ``refit.completed``, else the engine failed."""
-        if not isinstance(owned, bool):
-            raise InvalidArgumentError(f"{call}: owned must be True or False, got {owned!r}")
+        check_bool(call, "owned", owned)
         self._life.require(Phase.ROLLOUT, call)
         assert self._receiver is not None
         with self._life.refit_slot(call):

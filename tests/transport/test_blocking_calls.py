@@ -169,8 +169,9 @@ def test_owned_receive_on_a_borrowing_engine_hands_out_tensors_that_stay() -> No
 def test_owned_must_be_a_bool() -> None:
     policy, rollout = connected_pair(BUCKET)
     try:
-        with pytest.raises(InvalidArgumentError, match="owned must be True or False"):
-            next(rollout.receive_weight_batches_blocking(owned="yes"))  # type: ignore[arg-type]
+        for engine in (rollout, AsyncOnly(rollout)):  # BucketedEngine's, and the contract's default
+            with pytest.raises(InvalidArgumentError, match="owned must be True or False"):
+                next(engine.receive_weight_batches_blocking(owned="yes"))  # type: ignore[arg-type]
     finally:
         policy.finalize()
         rollout.finalize()
