@@ -159,7 +159,7 @@ class RefitWorker:
                 by_destination = {}
         elif self.load_weights is not None or getattr(self.engine, "borrow_received_tensors", False):
             # Borrowed tensors are valid only until the next batch: digest them on arrival.
-            loaded = await self._receive_into(self.load_weights or _drop)
+            loaded = await self._receive_into()
             wall = time.perf_counter() - start
             result_digests = loaded if self.verify else {}
             count = len(loaded)
@@ -217,16 +217,23 @@ class RefitWorker:
                 received[name] = tensor
         return received
 
-    async def _receive_into(self, loader: BatchLoader) -> dict[str, str]:
-        """Hand each batch to ``loader``; name -> digest (``""`` unless verifying)."""
+    async def _receive_into(self) -> dict[str, str]:
+        """Hand each batch to the loader (:meth:`_take_batch`); name -> digest (``""`` unless
+        verifying)."""
         seen: dict[str, str] = {}
         async for batch in self.engine.receive_weight_batches():
-            for name, tensor in batch:
-                if name in seen:
-                    raise ValueError(f"tensor {name!r} arrived twice in one refit")
-                seen[name] = tensor_digest(tensor) if self.verify else ""
-            loader(batch)
+            self._take_batch(batch, seen)
         return seen
+
+    def _take_batch(self, batch: list[tuple[str, torch.Tensor]], seen: dict[str, str]) -> None:
+        """Note each tensor of ``batch`` in ``seen`` (its digest, ``""`` unless verifying) as it
+        arrives (a borrowed one is valid only until the next batch), then hand it to the
+        worker's loader, if it has one."""
+        for name, tensor in batch:
+            if name in seen:
+                raise ValueError(f"tensor {name!r} arrived twice in one refit")
+            seen[name] = tensor_digest(tensor) if self.verify else ""
+        (self.load_weights or _drop)(batch)
 
     def commit(self, *, weight_version: int) -> None:
         """The coordinator's word that the last refit reached every rollout rank whole.

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ckpt_core.orchestration.worker import RefitWorker
-from ckpt_core.orchestration.workload import digests, load_target, tensor_digest
+from ckpt_core.orchestration.workload import digests, load_target
 from ckpt_core.rss import lifetime_peak_rss_bytes
 
 
@@ -92,12 +92,7 @@ class BlockingProbeWorker(ProbeWorker):
         start = time.perf_counter()
         seen: dict[str, str] = {}
         for batch in self.engine.receive_weight_batches_blocking():
-            for name, tensor in batch:
-                if name in seen:
-                    raise ValueError(f"tensor {name!r} arrived twice in one refit")
-                seen[name] = tensor_digest(tensor) if self.verify else ""
-            if self.load_weights is not None:
-                self.load_weights(batch)
+            self._take_batch(batch, seen)
         wall = time.perf_counter() - start
         return self._refitted(refit_index, wall, seen if self.verify else {}, len(seen), {})
 
