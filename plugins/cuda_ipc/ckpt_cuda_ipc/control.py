@@ -18,9 +18,9 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
+import math
 import os
 import select
-import selectors
 import shutil
 import socket
 import struct
@@ -258,19 +258,26 @@ class Channel:
 
 def readable_now(channels: Sequence[Channel]) -> list[Channel]:
     """The channels with data (or EOF) to read at once, without waiting."""
-    ready, _, _ = select.select([channel.sock for channel in channels], [], [], 0)
-    return [channel for channel in channels if channel.sock in ready]
+    return _poll(channels, 0)
 
 
 def wait_readable(channels: Iterable[Channel], deadline: Deadline) -> list[Channel]:
     """The channels with data (or EOF) to read, waiting at most until ``deadline``; [] past it."""
-    with selectors.DefaultSelector() as selector:
-        for channel in channels:
-            selector.register(channel.sock, selectors.EVENT_READ, channel)
-        remaining = deadline.remaining()
-        if remaining <= 0:
-            return []
-        return [key.data for key, _ in selector.select(remaining)]
+    remaining = deadline.remaining()
+    if remaining <= 0:
+        return []
+    return _poll(list(channels), math.ceil(remaining * 1000))
+
+
+def _poll(channels: Sequence[Channel], timeout_ms: int) -> list[Channel]:
+    """The channels readable within ``timeout_ms``, in their order. ``poll``, not ``select``:
+    a process may hold descriptors past ``select``'s 1024, and one call makes no descriptor of
+    its own (an ``epoll`` selector makes and closes one per wait)."""
+    poller = select.poll()
+    for channel in channels:
+        poller.register(channel.sock, select.POLLIN)
+    ready = {fd for fd, _ in poller.poll(timeout_ms)}
+    return [channel for channel in channels if channel.sock.fileno() in ready]
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:

@@ -392,3 +392,24 @@ def test_stale_directory_of_a_killed_process_is_swept(sockets: str) -> None:
         assert os.listdir(sockets) == [os.path.basename(live.directory)]
     finally:
         live.close()
+
+
+def test_refits_with_descriptors_past_select_s_limit(sockets: str) -> None:
+    """A process may hold more than 1024 descriptors (``select``'s limit): the control channels
+    opened after them still carry every refit."""
+    spare = os.open(os.devnull, os.O_RDONLY)
+    held = []
+    try:
+        while spare + len(held) < 1100:
+            held.append(os.dup(spare))
+        policy, rollout = make(socket_dir=sockets), make(socket_dir=sockets)
+        connect(policy, [rollout])
+        try:
+            for seed in range(2):
+                assert_same(refit(policy, [rollout], functools.partial(sample_weights, seed)).raise_first()[1], seed)
+        finally:
+            policy.finalize()
+            rollout.finalize()
+    finally:
+        for fd in [spare, *held]:
+            os.close(fd)
