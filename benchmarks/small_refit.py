@@ -29,6 +29,10 @@ policy process and one rollout process (each with its share of the cores), ``--r
 * **refit, blocking calls** (in the same run, alternating too): the same refit through
   ``send_weights_blocking`` and ``receive_weight_batches_blocking``, each side on its calling
   thread with no event loop, as a caller that blocks anyway (a synchronous worker method) runs it.
+* **CPU time** of each side's process (``time.process_time``: every thread's), for the refit
+  and its floor: the policy's from its start, the rollout's from its call (it waits without
+  spending any), each to its end. Where the two sides' sum is about the wall time, they ran
+  one after the other, and a refit's time is what both spend.
 
 Goals (the issue's): median refit <= 1.5 ms on ``cuda_ipc`` (cpu) and <= 2.5 ms on ``gloo_cpu``,
 each within 2x of its floor. Writes ``small_refit.json`` and ``small_refit.md`` to ``--out``.
@@ -102,28 +106,40 @@ class TimedRefitWorker(RefitWorker):
             assert self.weights is not None
             weights = list(self.weights(self.weights_params, refit_index=0, rank=self.rank))
             time.sleep(max(0.0, start_at - time.perf_counter()))
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             self.engine.send_weights_blocking(item for item in weights)
-            return {"started_at": start, "ended_at": time.perf_counter()}
-        count = 0
+            return {"started_at": start, "ended_at": time.perf_counter(), "cpu_s": time.process_time() - cpu}
+        count, cpu = 0, time.process_time()
         for batch in self.engine.receive_weight_batches_blocking():
             count += len(batch)
             ended = time.perf_counter()
-        return {"ended_at": ended, "returned_at": time.perf_counter(), "tensors": count}
+        return {
+            "ended_at": ended,
+            "returned_at": time.perf_counter(),
+            "tensors": count,
+            "cpu_s": time.process_time() - cpu,
+        }
 
     async def _timed(self, start_at: float) -> dict[str, float]:
+        """One refit; this side's stamps, and its process's CPU time from its start (the
+        policy's) or its call (the rollout's, which waits without spending any) to its end."""
         if self.role == "policy":
             assert self.weights is not None
             weights = list(self.weights(self.weights_params, refit_index=0, rank=self.rank))
             await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             await self.engine.send_weights(item for item in weights)
-            return {"started_at": start, "ended_at": time.perf_counter()}
-        count = 0
+            return {"started_at": start, "ended_at": time.perf_counter(), "cpu_s": time.process_time() - cpu}
+        count, cpu = 0, time.process_time()
         async for batch in self.engine.receive_weight_batches():
             count += len(batch)
             ended = time.perf_counter()
-        return {"ended_at": ended, "returned_at": time.perf_counter(), "tensors": count}
+        return {
+            "ended_at": ended,
+            "returned_at": time.perf_counter(),
+            "tensors": count,
+            "cpu_s": time.process_time() - cpu,
+        }
 
 
 def measure(backend: str, tensors: int, nbytes: int, bucket_size: int, reps: int) -> dict[str, Any]:
@@ -141,6 +157,7 @@ def measure(backend: str, tensors: int, nbytes: int, bucket_size: int, reps: int
     for spec in specs:
         spec["service"] = "benchmarks.small_refit:TimedRefitWorker"
     refit_s, sender_s, received_s, floor_s, handed_s, blocking_s = [], [], [], [], [], []
+    cpu: dict[str, list[float]] = {"policy": [], "rollout": [], "floor_sender": [], "floor_receiver": []}
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(
             LocalProcessPool(specs, labels=[f"{backend}-{label}" for label in labels], env=worker_env())
@@ -157,8 +174,12 @@ def measure(backend: str, tensors: int, nbytes: int, bucket_size: int, reps: int
             refit_s.append(got["ended_at"] - sent["started_at"])
             sender_s.append(sent["ended_at"] - sent["started_at"])
             received_s.append(got["returned_at"] - sent["started_at"])
+            cpu["policy"].append(sent["cpu_s"])
+            cpu["rollout"].append(got["cpu_s"])
             blocking_s.append(timed_pair(pool, "timed", blocking=True)[0])
             floor_s.append(floor.sample())
+            cpu["floor_sender"].append(floor.cpu_seconds[0])
+            cpu["floor_receiver"].append(floor.cpu_seconds[1])
             handed_s.append(floor.sample(hand_offs=True))
     median = statistics.median(refit_s)
     floor_median = statistics.median(floor_s)
@@ -181,6 +202,8 @@ def measure(backend: str, tensors: int, nbytes: int, bucket_size: int, reps: int
         "blocking_refit_seconds": blocking_s,
         "blocking_refit_median_s": statistics.median(blocking_s),
         "blocking_over_floor": statistics.median(blocking_s) / floor_median,
+        "cpu_seconds": cpu,
+        "cpu_median_s": {side: statistics.median(values) for side, values in cpu.items()},
     }
 
 
@@ -211,7 +234,19 @@ def report(results: dict[str, Any]) -> str:
         "`receive_weight_batches_blocking` (each side on its calling thread, no event loop), measured "
         "alternating with the rest.",
         "",
+        "CPU time of each side's process (every thread's; the policy's from its start, the rollout's from its "
+        "call, each to its end; medians) beside the wall time, for the refit and its floor:",
+        "",
+        "| backend | refit: policy | rollout | both | wall | floor: sender | receiver | both | wall |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    for run in results["runs"]:
+        cpu = run["cpu_median_s"]
+        cells = [cpu["policy"], cpu["rollout"], cpu["policy"] + cpu["rollout"], run["refit_median_s"]]
+        cells += [cpu["floor_sender"], cpu["floor_receiver"], cpu["floor_sender"] + cpu["floor_receiver"]]
+        cells.append(run["floor_median_s"])
+        lines.append(f"| {run['backend']} | " + " | ".join(f"{value * 1e3:.2f} ms" for value in cells) + " |")
+    lines.append("")
     return "\n".join(lines)
 
 

@@ -39,11 +39,12 @@ from ckpt_core.transport.torch_distributed import gloo_group
 
 
 def _sender_stamps(send: Callable[[], None], start_at: float) -> dict[str, float]:
-    """Run ``send`` at ``start_at`` (a ``time.perf_counter`` stamp) on this thread; its stamps."""
+    """Run ``send`` at ``start_at`` (a ``time.perf_counter`` stamp) on this thread; its stamps,
+    and the CPU time the process spent meanwhile (``cpu_s``, every thread's)."""
     time.sleep(max(0.0, start_at - time.perf_counter()))
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     send()
-    return {"started_at": start, "ended_at": time.perf_counter()}
+    return {"started_at": start, "ended_at": time.perf_counter(), "cpu_s": time.process_time() - cpu}
 
 
 class HandOffs:
@@ -147,10 +148,11 @@ class RawGlooWorker:
                 group.send([answer], 0, 1).wait(timeout)
 
             return self._hand_offs.receiver(receive)
+        cpu = time.process_time()
         group.recv([payload], 0, 0).wait(timeout)
         ended = time.perf_counter()
         group.send([answer], 0, 1).wait(timeout)
-        return {"ended_at": ended}
+        return {"ended_at": ended, "cpu_s": time.process_time() - cpu}
 
     def finalize(self) -> None:
         self._hand_offs.close()
@@ -212,11 +214,12 @@ class SharedMemoryWorker:
                 sock.sendall(b"x")
 
             return self._hand_offs.receiver(receive)
+        cpu = time.process_time()
         sock.recv(1)
         self.local.copy_(self.shared)
         ended = time.perf_counter()
         sock.sendall(b"x")
-        return {"ended_at": ended}
+        return {"ended_at": ended, "cpu_s": time.process_time() - cpu}
 
     def finalize(self) -> None:
         self._hand_offs.close()
@@ -253,8 +256,9 @@ class SmallRefitFloor:
     ``nbytes`` from one process to another plus one round trip (raw Gloo for ``gloo_cpu``,
     shared host memory for ``cuda_ipc``). A context manager: entering starts the pool, joins
     the two workers and runs untimed measurements; :meth:`sample` then measures once
-    (seconds). A benchmark alternates samples of it with its own, so that whatever the
-    machine does meanwhile weighs on both alike."""
+    (seconds), and :attr:`cpu_seconds` holds what each side's process spent of its CPU time on
+    it. A benchmark alternates samples of it with its own, so that whatever the machine does
+    meanwhile weighs on both alike."""
 
     def __init__(self, backend: str, nbytes: int, *, env: dict[str, str] | None = None) -> None:
         if backend not in FLOOR_BACKENDS:
@@ -262,6 +266,9 @@ class SmallRefitFloor:
         self.backend, self.nbytes, self.env = backend, nbytes, env
         self._stack = contextlib.ExitStack()
         self._pool: Any = None
+        self.cpu_seconds = (0.0, 0.0)
+        """``(sender's, receiver's)`` process CPU time in the last :meth:`sample` without
+        hand-offs (every thread's, from each side's start to its end)."""
 
     def __enter__(self) -> SmallRefitFloor:
         from ckpt_core.orchestration.local import LocalProcessPool
@@ -308,7 +315,10 @@ class SmallRefitFloor:
         as an engine runs a refit (:class:`HandOffs`)."""
         if self._pool is None:
             raise RuntimeError("SmallRefitFloor.sample() runs inside its with block")
-        return timed_pair(self._pool, "round_trip", nbytes=self.nbytes, hand_offs=hand_offs)[0]
+        sent, got = timed_stamps(self._pool, "round_trip", nbytes=self.nbytes, hand_offs=hand_offs)
+        if not hand_offs:
+            self.cpu_seconds = (sent["cpu_s"], got["cpu_s"])
+        return got["ended_at"] - sent["started_at"]
 
 
 def small_refit_floor(backend: str, nbytes: int, reps: int, *, env: dict[str, str] | None = None) -> list[float]:

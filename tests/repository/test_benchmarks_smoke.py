@@ -244,7 +244,8 @@ def test_the_small_refit_benchmark_runs_beside_its_floors(tmp_path: Path) -> Non
     """``python -m benchmarks.small_refit`` in a tiny configuration: per backend, refits, the
     transport's floor (its bytes and a round trip) and that floor with the async API's
     hand-offs, and refits through the blocking calls, as many of each (they alternate), each
-    positive; and when each receive returned."""
+    positive; when each receive returned; and the CPU time each side's process spent on each
+    refit and floor."""
     from benchmarks.small_refit import main
 
     args = ["--size", "400KB", "--tensors", "8", "--reps", "3", "--out", str(tmp_path)]
@@ -264,7 +265,11 @@ def test_the_small_refit_benchmark_runs_beside_its_floors(tmp_path: Path) -> Non
         assert 0 < measured["refit_median_s"] < 1.0 and 0 < measured["blocking_refit_median_s"] < 1.0
         # the receive returns after its last batch was taken
         assert all(map(operator.le, measured["refit_seconds"], measured["received_seconds"]))
-    assert "| gloo_cpu |" in (tmp_path / "small_refit.md").read_text()
+        cpu = measured["cpu_seconds"]
+        assert sorted(cpu) == ["floor_receiver", "floor_sender", "policy", "rollout"]
+        assert all(len(values) == 3 and all(0 < value < 1.0 for value in values) for values in cpu.values()), cpu
+    report = (tmp_path / "small_refit.md").read_text()
+    assert "| gloo_cpu |" in report and "| backend | refit: policy | rollout | both | wall |" in report
 
 
 def test_the_verl_sync_benchmark_times_each_part_of_a_sync(tmp_path: Path) -> None:
