@@ -108,17 +108,12 @@ class TimedRefitWorker(RefitWorker):
             time.sleep(max(0.0, start_at - time.perf_counter()))
             start, cpu = time.perf_counter(), time.process_time()
             self.engine.send_weights_blocking(item for item in weights)
-            return {"started_at": start, "ended_at": time.perf_counter(), "cpu_s": time.process_time() - cpu}
+            return _sent(start, cpu)
         count, cpu = 0, time.process_time()
         for batch in self.engine.receive_weight_batches_blocking():
             count += len(batch)
             ended = time.perf_counter()
-        return {
-            "ended_at": ended,
-            "returned_at": time.perf_counter(),
-            "tensors": count,
-            "cpu_s": time.process_time() - cpu,
-        }
+        return _received(ended, count, cpu)
 
     async def _timed(self, start_at: float) -> dict[str, float]:
         """One refit; this side's stamps, and its process's CPU time from its start (the
@@ -129,17 +124,22 @@ class TimedRefitWorker(RefitWorker):
             await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
             start, cpu = time.perf_counter(), time.process_time()
             await self.engine.send_weights(item for item in weights)
-            return {"started_at": start, "ended_at": time.perf_counter(), "cpu_s": time.process_time() - cpu}
+            return _sent(start, cpu)
         count, cpu = 0, time.process_time()
         async for batch in self.engine.receive_weight_batches():
             count += len(batch)
             ended = time.perf_counter()
-        return {
-            "ended_at": ended,
-            "returned_at": time.perf_counter(),
-            "tensors": count,
-            "cpu_s": time.process_time() - cpu,
-        }
+        return _received(ended, count, cpu)
+
+
+def _sent(start: float, cpu: float) -> dict[str, float]:
+    """The policy's stamps for a send that started at ``start`` with ``cpu`` process time spent."""
+    return {"started_at": start, "ended_at": time.perf_counter(), "cpu_s": time.process_time() - cpu}
+
+
+def _received(ended: float, count: int, cpu: float) -> dict[str, float]:
+    """The rollout's stamps for a receive of ``count`` tensors whose last batch came at ``ended``."""
+    return {"ended_at": ended, "returned_at": time.perf_counter(), "tensors": count, "cpu_s": time.process_time() - cpu}
 
 
 def measure(backend: str, tensors: int, nbytes: int, bucket_size: int, reps: int) -> dict[str, Any]:
