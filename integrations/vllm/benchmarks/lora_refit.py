@@ -5,17 +5,20 @@ against merging it into the weights and refitting the whole model.
     python integrations/vllm/benchmarks/lora_refit.py [--reps 11] [--rank 16]
 
 A random Qwen2 of about 124 MB (bf16) is served by vLLM's CPU build at tensor-parallel size 1
-with LoRA enabled; this process is the trainer (an engine of its own: ``--backend`` gloo_cpu,
-or cuda_ipc with ``device="cpu"``). The adapter
+with LoRA enabled. The trainer is a process of its own, as an RL framework's is
+(:class:`adapter_trainer.AdapterTrainer`, started by the local launcher, with an engine of its
+own: ``--backend`` gloo_cpu, or cuda_ipc with ``device="cpu"``). The adapter
 targets every linear layer of every decoder layer (q, k, v, o, gate, up, down) at rank
 ``--rank``, fp32 as PEFT keeps it; two versions of it, A and B, alternate so every load changes
-it. Each repetition times, after 1.5 s with the engine idle:
+it (the trainer and this process make the same two from one seed). Each repetition times,
+after 1.5 s with the engine idle:
 
 * ``refit``: the trainer sends the adapter's tensors while ``VllmRollout.refit_adapter``
-  receives them and every rank serves them from memory (``ckpt_vllm.model.lora``);
-* ``disk``: the trainer writes the adapter as PEFT does (``adapter_config.json`` and
-  ``adapter_model.safetensors``) and vLLM loads it (``llm_engine.add_lora`` with
-  ``load_inplace``, what ``/v1/load_lora_adapter`` does), both timed;
+  receives them and every rank serves them from memory (``ckpt_vllm.model.lora``), both
+  starting at one ``time.perf_counter`` stamp (one clock for every process of a machine);
+* ``disk``: the adapter is written as PEFT writes it (``adapter_config.json`` and
+  ``adapter_model.safetensors``, from this process's copy of it) and vLLM loads it
+  (``llm_engine.add_lora`` with ``load_inplace``, what ``/v1/load_lora_adapter`` does), both timed;
 
 then checks that both serve the same greedy tokens. The rank's own account of each refit splits
 it into receiving, holding (the checks) and installing (vLLM's load of the held tensors). After
@@ -33,8 +36,8 @@ goal holds.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
+import os
 import statistics
 import sys
 import threading
@@ -43,10 +46,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from adapter_trainer import TARGETS, VERSIONS, adapter_versions, base_weights  # noqa: E402
 from http_vs_offline import MAX_TOKENS, PROMPTS  # noqa: E402
 from refit_vs_reload import MODEL, make_model  # noqa: E402
 from scaffold import in_scratch, set_up_process, write_results  # noqa: E402
@@ -55,10 +57,6 @@ MIB = 1 << 20
 GOAL = 3.0  # disk / refit, issue 35's (not met: what bounds it is below)
 FLOOR_GOAL = 1.3  # refit / (vLLM's call + its install + the transport floor), issue 50's
 IDLE_S = 1.5
-TARGETS = {
-    "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
-    "mlp": ("gate_proj", "up_proj", "down_proj"),
-}
 
 
 def run(reps: int, rank: int, bucket_size: int, out: Path, backend: str = "gloo_cpu") -> dict[str, Any]:
@@ -71,70 +69,48 @@ def run(reps: int, rank: int, bucket_size: int, out: Path, backend: str = "gloo_
     return results
 
 
-def adapter_versions(base: dict[str, torch.Tensor], rank: int) -> dict[str, list[tuple[str, torch.Tensor]]]:
-    """Two random versions of an adapter on every targeted linear layer, PEFT's names."""
-    generator = torch.Generator().manual_seed(0)
-    versions: dict[str, list[tuple[str, torch.Tensor]]] = {"A": [], "B": []}
-    for name, weight in base.items():
-        parts = name.split(".")
-        if len(parts) < 5 or parts[-1] != "weight" or parts[-2] not in TARGETS.get(parts[-3], ()):
-            continue
-        module = f"base_model.model.{name.removesuffix('.weight')}"
-        out_features, in_features = weight.shape
-        for tensors in versions.values():
-            tensors.append((f"{module}.lora_A.weight", torch.randn(rank, in_features, generator=generator) * 0.02))
-            tensors.append((f"{module}.lora_B.weight", torch.randn(out_features, rank, generator=generator) * 0.02))
-    return versions
-
-
-def merged(base: dict[str, torch.Tensor], adapter: list[tuple[str, torch.Tensor]], scaling: float) -> list[Any]:
-    """The model's weights with ``adapter`` merged in, bf16 (what a merged refit sends)."""
-    parts = dict(adapter)
-    weights = []
-    for name, weight in base.items():
-        module = f"base_model.model.{name.removesuffix('.weight')}"
-        a = parts.get(f"{module}.lora_A.weight")
-        if a is not None:
-            weight = (weight.float() + parts[f"{module}.lora_B.weight"] @ a * scaling).to(torch.bfloat16)
-        weights.append((name, weight))
-    return weights
-
-
-def both(send: Callable[[], Any], receive: Callable[[], Any]) -> float:
-    """Seconds for the trainer's ``send`` (a thread) and the rollout's ``receive`` together."""
-    errors: list[BaseException] = []
-
-    def sending() -> None:
-        try:
-            send()
-        except BaseException as exc:  # noqa: BLE001 - raised below
-            errors.append(exc)
-
-    time.sleep(IDLE_S)
-    started = time.perf_counter()
-    thread = threading.Thread(target=sending)
+def alongside(trainer: Any, method: str, kwargs: dict[str, Any], here: Callable[[], Any]) -> Any:
+    """The trainer's ``method`` (a call into its process, from a thread) while ``here`` runs on
+    this thread: what the trainer's call returned."""
+    answers: list[Any] = []
+    thread = threading.Thread(target=lambda: answers.extend(trainer.call([(0, method, kwargs)], 600)))
     thread.start()
-    receive()
-    thread.join(600)
-    seconds = time.perf_counter() - started
-    if errors:
-        raise errors[0]
-    return seconds
+    try:
+        here()
+    finally:
+        thread.join(600)
+    if not answers:
+        raise RuntimeError(f"the trainer's {method} did not answer within 600 s")
+    return _answer(answers)
+
+
+def timed(trainer: Any, method: str, kwargs: dict[str, Any], receive: Callable[[], Any]) -> tuple[Any, float]:
+    """The trainer's ``method`` (given ``start_at``) and the rollout's ``receive``, both starting
+    at one stamp ``IDLE_S`` from now, the engine idle until then: ``(what the trainer's call
+    returned, seconds from that stamp to the end of receive)``."""
+    start_at = time.perf_counter() + IDLE_S
+    ended: list[float] = []
+
+    def receiving() -> None:
+        time.sleep(max(0.0, start_at - time.perf_counter()))
+        receive()
+        ended.append(time.perf_counter())
+
+    value = alongside(trainer, method, {**kwargs, "start_at": start_at}, receiving)
+    return value, ended[0] - start_at
 
 
 def _run_in(workdir: Path, reps: int, rank: int, bucket_size: int, backend: str) -> dict[str, Any]:
-    from safetensors import safe_open
     from safetensors.torch import save_file
     from vllm import LLM
     from vllm.lora.request import LoRARequest
 
-    from ckpt_core.registry import create_checkpoint_engine
+    from ckpt_core.orchestration.local import LocalProcessPool
     from ckpt_vllm import VLLM_ENGINE_ARGS, VllmRollout
 
     make_model(workdir / "start", MODEL["num_hidden_layers"])
-    with safe_open(str(workdir / "start" / "model.safetensors"), framework="pt") as source:
-        base = {name: source.get_tensor(name) for name in source.keys()}  # noqa: SIM118 - not a dict
-    versions = adapter_versions(base, rank)
+    base = base_weights(str(workdir / "start"))
+    versions = adapter_versions(base, rank)  # the trainer makes the same (a seeded generator)
     alpha = 2 * rank
     config: dict[str, Any] = {
         "peft_type": "LORA",
@@ -159,77 +135,74 @@ def _run_in(workdir: Path, reps: int, rank: int, bucket_size: int, backend: str)
     )
     engine_kwargs = {"device": "cpu"} if backend == "cuda_ipc" else {}
     rollout = VllmRollout(llm, backend=backend, bucket_size_bytes=bucket_size, engine_kwargs=engine_kwargs)
-    trainer = create_checkpoint_engine(backend, bucket_size_bytes=bucket_size, engine_kwargs=engine_kwargs)
-    try:
-        metadata = [trainer.prepare(), *rollout.prepare()]
-        sizes: dict[str, Any] = {"train_world_size": 1, "rollout_world_size": 1, "metadata": metadata}
-        both(lambda: trainer.init_policy_process_group(worker_rank=0, **sizes), lambda: rollout.init(**sizes))
+    policy = {
+        "service": "adapter_trainer:AdapterTrainer",
+        "role": "policy",
+        "rank": 0,
+        "backend": backend,
+        "bucket_size": bucket_size,
+        "engine_kwargs": engine_kwargs,
+        "verify": False,
+        "weights": "adapter_trainer:adapter_weights",
+        "weights_params": {"model": str(workdir / "start"), "lora_rank": rank},
+    }
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    env["OMP_NUM_THREADS"] = "1"
+    with LocalProcessPool([policy], labels=["trainer"], env=env) as trainer:
+        try:
+            metadata = [_answer(trainer.call([(0, "prepare", {})], 120)), *rollout.prepare()]
+            sizes: dict[str, Any] = {"train_world_size": 1, "rollout_world_size": 1, "metadata": metadata}
+            alongside(trainer, "init", sizes, lambda: rollout.init(**sizes))
+            rows: list[dict[str, Any]] = []
+            for rep in range(-1, reps):  # rep -1: the warm-up, untimed
+                version = VERSIONS[rep % 2]
+                reports: list[dict[str, Any]] = []
 
-        def send(weights: list[tuple[str, torch.Tensor]]) -> None:
-            asyncio.run(trainer.send_weights(item for item in weights))
+                def receive(reports: list[dict[str, Any]] = reports) -> None:
+                    reports.extend(rollout.refit_adapter("refit", lora_id=1, config=config))
 
-        rows: list[dict[str, Any]] = []
-        for rep in range(-1, reps):  # rep -1: the warm-up, untimed
-            version = "AB"[rep % 2]
-            adapter = versions[version]
-            row: dict[str, Any] = {"version": version}
-            reports: list[dict[str, Any]] = []
+                sent, seconds = timed(trainer, "send_adapter", {"version": version}, receive)
+                row: dict[str, Any] = {"version": version, "refit_s": seconds}
+                row["worker_s"] = reports[0]["seconds"]
+                row["adapter_bytes"] = sent["payload_bytes"]
 
-            def receive(reports: list[dict[str, Any]] = reports) -> None:
-                reports.extend(rollout.refit_adapter("refit", lora_id=1, config=config))
+                def from_disk(path: Path = workdir / f"disk-{rep}", adapter: list[Any] = versions[version]) -> None:
+                    path.mkdir()
+                    (path / "adapter_config.json").write_text(json.dumps(config))
+                    save_file({n: t.contiguous() for n, t in adapter}, str(path / "adapter_model.safetensors"))
+                    llm.llm_engine.add_lora(LoRARequest("disk", 2, str(path), load_inplace=True))
 
-            row["refit_s"] = both(lambda adapter=adapter: send(adapter), receive)  # type: ignore[misc]
-            row["worker_s"] = reports[0]["seconds"]
-            row["adapter_bytes"] = payload_bytes(trainer)
-
-            def from_disk(path: Path = workdir / f"disk-{rep}", adapter: list[Any] = adapter) -> None:
-                path.mkdir()
-                (path / "adapter_config.json").write_text(json.dumps(config))
-                save_file({n: t.contiguous() for n, t in adapter}, str(path / "adapter_model.safetensors"))
-                llm.llm_engine.add_lora(LoRARequest("disk", 2, str(path), load_inplace=True))
-
-            time.sleep(IDLE_S)
-            started = time.perf_counter()
-            from_disk()
-            row["disk_s"] = time.perf_counter() - started
-            memory = tokens_with(llm, rollout.lora_request("refit"))
-            disk = tokens_with(llm, LoRARequest("disk", 2, str(workdir / f"disk-{rep}")))
-            if memory != disk:
-                raise AssertionError(f"rep {rep}: the adapter from memory and from disk generate other tokens")
-            if rep >= 0:
-                rows.append(row)
-                print(f"rep {rep}: refit {row['refit_s']:.3f} s, disk {row['disk_s']:.3f} s", flush=True)
-        calls = []
-        for _ in range(reps):
-            time.sleep(IDLE_S)
-            started = time.perf_counter()
-            llm.collective_rpc("check_health")
-            calls.append(time.perf_counter() - started)
-        rollout.remove_adapter("refit")
-        llm.llm_engine.remove_lora(2)
-        merged_rows = []
-        scaling = alpha / rank
-        for rep in range(-1, max(3, reps // 3)):
-            adapter = versions["AB"[rep % 2]]
-            holder: dict[str, float] = {}
-
-            def merge_and_send(
-                adapter: list[tuple[str, torch.Tensor]] = adapter, holder: dict[str, float] = holder
-            ) -> None:
+                time.sleep(IDLE_S)
                 started = time.perf_counter()
-                weights = merged(base, adapter, scaling)
-                holder["merge_s"] = time.perf_counter() - started
-                send(weights)
-
-            seconds = both(merge_and_send, rollout.refit)
-            if rep >= 0:
-                merged_rows.append({"merged_s": seconds, "merge_s": holder["merge_s"]})
-                print(f"merged rep {rep}: {seconds:.3f} s (merging {holder['merge_s']:.3f} s)", flush=True)
-        merged_bytes = payload_bytes(trainer)
-    finally:
-        trainer.finalize()
-        rollout.finalize()
-        llm.llm_engine.engine_core.shutdown()
+                from_disk()
+                row["disk_s"] = time.perf_counter() - started
+                memory = tokens_with(llm, rollout.lora_request("refit"))
+                disk = tokens_with(llm, LoRARequest("disk", 2, str(workdir / f"disk-{rep}")))
+                if memory != disk:
+                    raise AssertionError(f"rep {rep}: the adapter from memory and from disk generate other tokens")
+                if rep >= 0:
+                    rows.append(row)
+                    print(f"rep {rep}: refit {row['refit_s']:.3f} s, disk {row['disk_s']:.3f} s", flush=True)
+            calls = []
+            for _ in range(reps):
+                time.sleep(IDLE_S)
+                started = time.perf_counter()
+                llm.collective_rpc("check_health")
+                calls.append(time.perf_counter() - started)
+            rollout.remove_adapter("refit")
+            llm.llm_engine.remove_lora(2)
+            merged_rows = []
+            for rep in range(-1, max(3, reps // 3)):
+                kwargs = {"version": VERSIONS[rep % 2], "scaling": alpha / rank}
+                sent, seconds = timed(trainer, "send_merged", kwargs, rollout.refit)
+                merged_bytes = int(sent["payload_bytes"])
+                if rep >= 0:
+                    merged_rows.append({"merged_s": seconds, "merge_s": sent["merge_s"]})
+                    print(f"merged rep {rep}: {seconds:.3f} s (merging {sent['merge_s']:.3f} s)", flush=True)
+        finally:
+            trainer.call([(0, "finalize", {})], 60)
+            rollout.finalize()
+            llm.llm_engine.engine_core.shutdown()
     from ckpt_core.bench.baselines import small_refit_floor
 
     floors = small_refit_floor(backend, adapter_bytes_sent(rows), reps)
@@ -269,9 +242,12 @@ def adapter_bytes_sent(rows: list[dict[str, Any]]) -> int:
     return int(rows[-1]["adapter_bytes"])
 
 
-def payload_bytes(engine: Any) -> int:
-    """The bytes of the engine's last refit (its ``RefitStats``)."""
-    return int(engine.last_stats.payload_bytes)
+def _answer(results: list[Any]) -> Any:
+    """The value of the one call in ``results`` (a pool's answer), or its error raised."""
+    (result,) = results
+    if not result.ok:
+        raise RuntimeError(result.describe())
+    return result.value
 
 
 def tokens_with(llm: Any, request: Any) -> list[list[int]]:
