@@ -80,6 +80,7 @@ class AdapterTrainer(RefitWorker):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.base, self.versions = self._made_for(self.weights_params)
+        self._packed: torch.Tensor | None = None  # pack()'s buffer
 
     @classmethod
     def _made_for(
@@ -101,6 +102,20 @@ class AdapterTrainer(RefitWorker):
         time.sleep(max(0.0, start_at - time.perf_counter()))
         self.engine.send_weights_blocking(item for item in adapter)
         return {"ended_at": time.perf_counter(), "payload_bytes": self._payload_bytes()}
+
+    def pack(self, *, version: str, start_at: float) -> dict[str, float]:
+        """From ``start_at``, copy adapter ``version`` into a buffer of this process, as a
+        sender packs a bucket (one ``torch.cat`` of its tensors' bytes), and send nothing: the
+        trainer's own work in a refit, beside which the driver times vLLM's call. ``{"seconds"}``:
+        the copy's."""
+        adapter = self.versions[version]
+        nbytes = sum(tensor.nbytes for _, tensor in adapter)
+        if self._packed is None or self._packed.numel() != nbytes:
+            self._packed = torch.empty(nbytes, dtype=torch.uint8)
+        time.sleep(max(0.0, start_at - time.perf_counter()))
+        started = time.perf_counter()
+        torch.cat([tensor.reshape(-1).view(torch.uint8) for _, tensor in adapter], out=self._packed)
+        return {"seconds": time.perf_counter() - started}
 
     def send_merged(self, *, version: str, scaling: float, start_at: float) -> dict[str, float]:
         """Merge adapter ``version`` into the base weights from ``start_at``, then send them
