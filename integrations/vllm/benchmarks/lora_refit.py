@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import threading
@@ -54,7 +53,7 @@ sys.path.insert(0, str(HERE))
 from adapter_trainer import TARGETS, VERSIONS, adapter_versions, base_weights  # noqa: E402
 from http_vs_offline import MAX_TOKENS, PROMPTS  # noqa: E402
 from refit_vs_reload import MODEL, make_model  # noqa: E402
-from scaffold import in_scratch, set_up_process, write_results  # noqa: E402
+from scaffold import in_scratch, set_up_process, trainer_pool, write_results  # noqa: E402
 
 MIB = 1 << 20
 GOAL = 3.0  # disk / refit, issue 35's (not met: what bounds it is below)
@@ -108,7 +107,6 @@ def _run_in(workdir: Path, reps: int, rank: int, bucket_size: int, backend: str)
     from vllm import LLM
     from vllm.lora.request import LoRARequest
 
-    from ckpt_core.orchestration.local import LocalProcessPool
     from ckpt_vllm import VLLM_ENGINE_ARGS, VllmRollout
 
     make_model(workdir / "start", MODEL["num_hidden_layers"])
@@ -138,20 +136,14 @@ def _run_in(workdir: Path, reps: int, rank: int, bucket_size: int, backend: str)
     )
     engine_kwargs = {"device": "cpu"} if backend == "cuda_ipc" else {}
     rollout = VllmRollout(llm, backend=backend, bucket_size_bytes=bucket_size, engine_kwargs=engine_kwargs)
-    policy = {
-        "service": "adapter_trainer:AdapterTrainer",
-        "role": "policy",
-        "rank": 0,
-        "backend": backend,
-        "bucket_size": bucket_size,
-        "engine_kwargs": engine_kwargs,
-        "verify": False,
-        "weights": "adapter_trainer:adapter_weights",
-        "weights_params": {"model": str(workdir / "start"), "lora_rank": rank},
-    }
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    env["OMP_NUM_THREADS"] = "1"
-    with LocalProcessPool([policy], labels=["trainer"], env=env) as trainer:
+    with trainer_pool(
+        "adapter_trainer:AdapterTrainer",
+        backend=backend,
+        bucket_size=bucket_size,
+        engine_kwargs=engine_kwargs,
+        weights="adapter_trainer:adapter_weights",
+        weights_params={"model": str(workdir / "start"), "lora_rank": rank},
+    ) as trainer:
         try:
             metadata = [_answer(trainer.call([(0, "prepare", {})], 120)), *rollout.prepare()]
             sizes: dict[str, Any] = {"train_world_size": 1, "rollout_world_size": 1, "metadata": metadata}

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from scaffold import in_scratch, set_up_process, write_results
+from scaffold import in_scratch, set_up_process, trainer_pool, write_results
 
 from ckpt_core.orchestration.worker import RefitWorker
 
@@ -197,27 +197,20 @@ def run_backend(
     """Memory first (before this backend's disk reloads touch the worker), then time."""
     from ckpt_core.orchestration.coordinator import RefitCoordinator
     from ckpt_core.orchestration.joined import JoinedPool
-    from ckpt_core.orchestration.local import LocalProcessPool
     from ckpt_vllm import VllmRollout, VllmWorkerPool
 
     engine_kwargs = {"device": "cpu"} if backend == "cuda_ipc" else {}
     rollout = VllmRollout(llm, backend=backend, bucket_size_bytes=bucket_size, engine_kwargs=engine_kwargs)
-    policy = {
-        "service": "refit_vs_reload:SavingTrainer",
-        "role": "policy",
-        "rank": 0,
-        "backend": backend,
-        "bucket_size": bucket_size,
-        "engine_kwargs": engine_kwargs,
-        "verify": False,
-        "weights": "refit_vs_reload:perturbed_weights",
-        "weights_params": {**params, "first_index": first_index},
-    }
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    env["OMP_NUM_THREADS"] = "1"
     rows: list[dict[str, Any]] = []
     memory: list[dict[str, Any]] = []
-    with LocalProcessPool([policy], labels=["trainer"], env=env) as trainer:
+    with trainer_pool(
+        "refit_vs_reload:SavingTrainer",
+        backend=backend,
+        bucket_size=bucket_size,
+        engine_kwargs=engine_kwargs,
+        weights="refit_vs_reload:perturbed_weights",
+        weights_params={**params, "first_index": first_index},
+    ) as trainer:
         coordinator = RefitCoordinator(JoinedPool(trainer, VllmWorkerPool(rollout)), num_policy=1, num_rollout=1)
         coordinator.setup()
 

@@ -40,3 +40,34 @@ def write_results(out: Path, name: str, results: dict[str, Any], table: str) -> 
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / f"{name}.md").write_text(table)
+
+
+def trainer_pool(
+    service: str,
+    *,
+    backend: str,
+    bucket_size: int,
+    engine_kwargs: dict[str, Any],
+    weights: str,
+    weights_params: dict[str, Any],
+) -> Any:
+    """The benchmarks' trainer, a process of its own: a local launcher's pool (a context
+    manager) of one policy ``RefitWorker``, ``service`` (``"module:Class"`` of this folder),
+    sending ``weights`` (``"module:function"``) on one torch thread, digests off."""
+    from ckpt_core.orchestration.local import LocalProcessPool
+
+    policy = {
+        "service": service,
+        "role": "policy",
+        "rank": 0,
+        "backend": backend,
+        "bucket_size": bucket_size,
+        "engine_kwargs": engine_kwargs,
+        "verify": False,
+        "weights": weights,
+        "weights_params": weights_params,
+    }
+    here = str(Path(__file__).resolve().parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    env["OMP_NUM_THREADS"] = "1"
+    return LocalProcessPool([policy], labels=["trainer"], env=env)
