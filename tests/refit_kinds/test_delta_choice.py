@@ -99,6 +99,18 @@ def test_each_kind_is_learnt_from_its_own_refits_and_not_forgotten() -> None:
     assert model.per_byte_whole == pytest.approx(0.3 / GB)
 
 
+def test_a_refit_mostly_of_first_patches_teaches_nothing() -> None:
+    """A copy's first patch hashes it whole on both sides: a refit mostly of such patches is
+    not what a steady one pays and leaves the fit as it was; one with a few of them among
+    steady patches is learnt from."""
+    model = fitted(whole_s_per_gb=0.3)
+    model.add(RefitCosts(5.0, 0, 0, GB, 1000, first_patched_bytes=GB))
+    assert model.per_byte_patched == pytest.approx(0.15 / GB, rel=0.01)
+    for _ in range(8):
+        model.add(RefitCosts(0.6, 0, 0, GB, 1000, first_patched_bytes=GB // 10))
+    assert model.per_byte_patched == pytest.approx(0.6 / GB, rel=0.05)
+
+
 def test_a_mixed_refit_credits_its_minor_part_by_the_fit() -> None:
     """A refit of 1 GB whole and 0.2 GB patched at 1%: the patched part is predicted (0.04 s)
     and taken off, the rest teaches the whole cost."""
@@ -191,6 +203,30 @@ def test_released_weights_leave_both_baselines_at_the_manifest_and_come_back_whe
             "tracked again": (0, 3, 0, 0),
         }.get(expected, (3, 0, 0, 0)), (expected, stats)
         assert (got.patched_tensors, got.whole_tensors, got.untracked_tensors) == counts[:3]
+
+
+def test_the_sender_does_not_learn_from_the_first_patch_of_its_copies() -> None:
+    """Through a sender: its first refit of patches after the weights were sent whole (each
+    copy hashed whole) leaves its model as it was, however long it took; its second one is
+    learnt from."""
+    generator = torch.Generator().manual_seed(5)
+    sender, receiver = DeltaSender(destination="rollout 0"), DeltaReceiver(source="policy 0")
+    sender.costs = fitted(whole_s_per_gb=0.3)
+    weights = bf16_model(generator)
+    learnt = []
+    for refit in range(3):
+        if refit:
+            weights = flipped(weights, 0.01, generator)
+        stats = RefitStats()
+        for name, tensor in receiver.decode(sender.encode(iter(weights.items()), stats), RefitStats()):
+            assert torch.equal(bits(tensor), bits(weights[name]))
+        assert stats.patched_tensors == (3 if refit else 0)
+        before = sender.costs.per_byte_patched
+        stats.seconds = 99.0  # far slower than the model's patches: moves the fit where learnt
+        sender.commit(stats)
+        receiver.commit()
+        learnt.append(sender.costs.per_byte_patched != before)
+    assert learnt == [False, False, True]
 
 
 def test_a_refit_that_fails_after_its_manifest_released_weights_sends_them_whole_next() -> None:

@@ -156,6 +156,7 @@ class _Pending:
     untracked_bytes: int = 0  # of the weights sent whole and not kept
     released_bytes: int = 0  # of those, the ones the destination held a copy of until now
     patched_bytes: int = 0  # of the weights sent as patches
+    first_patched_bytes: int = 0  # of those, host copies patched for the first time (hashed whole)
     changed: int = 0  # elements those patches changed
     upstream_seconds: float = 0.0  # waiting for the weights (the trainer's, any stage before this)
     complete: bool = False
@@ -288,6 +289,8 @@ class DeltaSender:
             pending.sent[name] = found.undo
             pending.digests[name] = found.digest
             pending.patched_bytes += nbytes
+            if old.device.type == "cpu" and name not in base.digests:  # both sides hash this copy whole
+                pending.first_patched_bytes += nbytes
             pending.changed += found.changed
             _count_patch(stats, found.patch, tensor)
             yield name + PATCH_SUFFIX, found.encoded
@@ -349,6 +352,7 @@ class DeltaSender:
                     pending.patched_bytes,
                     pending.changed,
                     released_bytes=pending.released_bytes,
+                    first_patched_bytes=pending.first_patched_bytes,
                 )
             )
 
