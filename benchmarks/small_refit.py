@@ -29,6 +29,14 @@ policy process and one rollout process (each with its share of the cores), ``--r
 * **refit, blocking calls** (in the same run, alternating too): the same refit through
   ``send_weights_blocking`` and ``receive_weight_batches_blocking``, each side on its calling
   thread with no event loop, as a caller that blocks anyway (a synchronous worker method) runs it.
+* **refit, borrowed tensors** (in the same run, alternating too; async and blocking calls): the
+  rollout's tensors are views of its transport's buffer (``borrow_received_tensors``, which
+  ckpt-vllm's ranks turn on for weight updates: vLLM copies each weight into its own; an
+  adapter they receive owned, as it is held past the refit), so the receiver copies nothing
+  out. Not the goal's measure: the floor's receiver has its bytes in memory of its own
+  (``cuda_ipc``'s copies them out of the shared mapping). The rollout engine borrows in every
+  refit of this run; the others ask for ``owned`` tensors, which it then receives exactly as an
+  engine that does not borrow (no chunk here is large enough to go direct either way).
 * **CPU time** of each side's process (``time.process_time``: every thread's), for the refit
   and its floor: the policy's from its start, the rollout's from its call (it waits without
   spending any), each to its end. Where the two sides' sum is about the wall time, they ran
@@ -95,12 +103,13 @@ class TimedRefitWorker(RefitWorker):
             assert self.weights is not None
             list(self.weights(self.weights_params, refit_index=0, rank=self.rank))
 
-    def timed(self, *, start_at: float, blocking: bool = False) -> dict[str, float]:
+    def timed(self, *, start_at: float, blocking: bool = False, owned: bool = True) -> dict[str, float]:
+        """One refit (:meth:`_timed`); ``owned=False``: the rollout borrows its tensors."""
         if blocking:
-            return self._timed_blocking(start_at)
-        return asyncio.run(self._timed(start_at))
+            return self._timed_blocking(start_at, owned)
+        return asyncio.run(self._timed(start_at, owned))
 
-    def _timed_blocking(self, start_at: float) -> dict[str, float]:
+    def _timed_blocking(self, start_at: float, owned: bool) -> dict[str, float]:
         """:meth:`_timed` through the calls for callers that block, on this thread."""
         if self.role == "policy":
             assert self.weights is not None
@@ -110,12 +119,12 @@ class TimedRefitWorker(RefitWorker):
             self.engine.send_weights_blocking(item for item in weights)
             return _sent(start, cpu)
         count, cpu = 0, time.process_time()
-        for batch in self.engine.receive_weight_batches_blocking():
+        for batch in self.engine.receive_weight_batches_blocking(owned=owned):
             count += len(batch)
             ended = time.perf_counter()
         return _received(ended, count, cpu)
 
-    async def _timed(self, start_at: float) -> dict[str, float]:
+    async def _timed(self, start_at: float, owned: bool) -> dict[str, float]:
         """One refit; this side's stamps, and its process's CPU time from its start (the
         policy's) or its call (the rollout's, which waits without spending any) to its end."""
         if self.role == "policy":
@@ -126,7 +135,7 @@ class TimedRefitWorker(RefitWorker):
             await self.engine.send_weights(item for item in weights)
             return _sent(start, cpu)
         count, cpu = 0, time.process_time()
-        async for batch in self.engine.receive_weight_batches():
+        async for batch in self.engine.receive_weight_batches(owned=owned):
             count += len(batch)
             ended = time.perf_counter()
         return _received(ended, count, cpu)
@@ -150,13 +159,14 @@ def measure(backend: str, tensors: int, nbytes: int, bucket_size: int, reps: int
         num_policy=1,
         num_rollout=1,
         bucket_size=bucket_size,
-        engine_kwargs={**options, "timeout_s": 60.0},
+        engine_kwargs={**options, "timeout_s": 60.0, "borrow_received_tensors": True},
         weights="benchmarks.small_refit:adapter",
         weights_params=params,
     )
     for spec in specs:
         spec["service"] = "benchmarks.small_refit:TimedRefitWorker"
     refit_s, sender_s, received_s, floor_s, handed_s, blocking_s = [], [], [], [], [], []
+    borrowed_s, borrowed_blocking_s = [], []
     cpu: dict[str, list[float]] = {"policy": [], "rollout": [], "floor_sender": [], "floor_receiver": []}
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(
@@ -166,8 +176,8 @@ def measure(backend: str, tensors: int, nbytes: int, bucket_size: int, reps: int
         coordinator.setup()
         stack.callback(coordinator.finalize)
         coordinator.refit()  # checked digest by digest
-        for blocking in (False, False, False, True):  # warm-up: the packing record, the receiver's memo
-            timed_pair(pool, "timed", blocking=blocking)
+        for blocking, owned in ((False, True), (False, True), (False, False), (True, True), (True, False)):
+            timed_pair(pool, "timed", blocking=blocking, owned=owned)  # warm-up: the packing record, the memo
         floor = stack.enter_context(SmallRefitFloor(backend, nbytes, env=worker_env()))
         for _ in range(reps):  # alternating: a slow spell of the machine slows both
             sent, got = timed_stamps(pool, "timed")
@@ -177,6 +187,8 @@ def measure(backend: str, tensors: int, nbytes: int, bucket_size: int, reps: int
             cpu["policy"].append(sent["cpu_s"])
             cpu["rollout"].append(got["cpu_s"])
             blocking_s.append(timed_pair(pool, "timed", blocking=True)[0])
+            borrowed_s.append(timed_pair(pool, "timed", owned=False)[0])
+            borrowed_blocking_s.append(timed_pair(pool, "timed", blocking=True, owned=False)[0])
             floor_s.append(floor.sample())
             cpu["floor_sender"].append(floor.cpu_seconds[0])
             cpu["floor_receiver"].append(floor.cpu_seconds[1])
@@ -202,6 +214,12 @@ def measure(backend: str, tensors: int, nbytes: int, bucket_size: int, reps: int
         "blocking_refit_seconds": blocking_s,
         "blocking_refit_median_s": statistics.median(blocking_s),
         "blocking_over_floor": statistics.median(blocking_s) / floor_median,
+        "borrowed_refit_seconds": borrowed_s,
+        "borrowed_refit_median_s": statistics.median(borrowed_s),
+        "borrowed_over_floor": statistics.median(borrowed_s) / floor_median,
+        "borrowed_blocking_refit_seconds": borrowed_blocking_s,
+        "borrowed_blocking_refit_median_s": statistics.median(borrowed_blocking_s),
+        "borrowed_blocking_over_floor": statistics.median(borrowed_blocking_s) / floor_median,
         "cpu_seconds": cpu,
         "cpu_median_s": {side: statistics.median(values) for side, values in cpu.items()},
     }
@@ -233,6 +251,21 @@ def report(results: dict[str, Any]) -> str:
         "Refit, blocking calls: the same refit through `send_weights_blocking` and "
         "`receive_weight_batches_blocking` (each side on its calling thread, no event loop), measured "
         "alternating with the rest.",
+        "",
+        "Refit, borrowed tensors: the rollout's tensors are views of its transport's buffer "
+        "(`borrow_received_tensors`, as ckpt-vllm's ranks receive weight updates; adapters they take owned), so it "
+        "copies nothing out; not the goal's "
+        "measure (the floor's receiver has the bytes in memory of its own), measured alternating with the rest:",
+        "",
+        "| backend | refit, borrowed | / floor | blocking calls, borrowed | / floor |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for run in results["runs"]:
+        lines.append(
+            f"| {run['backend']} | {run['borrowed_refit_median_s'] * 1e3:.2f} ms | {run['borrowed_over_floor']:.2f} | "
+            f"{run['borrowed_blocking_refit_median_s'] * 1e3:.2f} ms | {run['borrowed_blocking_over_floor']:.2f} |"
+        )
+    lines += [
         "",
         "CPU time of each side's process (every thread's; the policy's from its start, the rollout's from its "
         "call, each to its end; medians) beside the wall time, for the refit and its floor:",

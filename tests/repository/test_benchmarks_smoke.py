@@ -243,9 +243,9 @@ def test_a_revision_is_measured_beside_this_tree(tmp_path: Path) -> None:
 def test_the_small_refit_benchmark_runs_beside_its_floors(tmp_path: Path) -> None:
     """``python -m benchmarks.small_refit`` in a tiny configuration: per backend, refits, the
     transport's floor (its bytes and a round trip) and that floor with the async API's
-    hand-offs, and refits through the blocking calls, as many of each (they alternate), each
-    positive; when each receive returned; and the CPU time each side's process spent on each
-    refit and floor."""
+    hand-offs, refits through the blocking calls and with borrowed tensors, as many of each
+    (they alternate), each positive; when each receive returned; and the CPU time each side's
+    process spent on each refit and floor."""
     from benchmarks.small_refit import main
 
     args = ["--size", "400KB", "--tensors", "8", "--reps", "3", "--out", str(tmp_path)]
@@ -259,8 +259,11 @@ def test_the_small_refit_benchmark_runs_beside_its_floors(tmp_path: Path) -> Non
             "floor_seconds",
             "floor_with_hand_offs_seconds",
             "blocking_refit_seconds",
+            "borrowed_refit_seconds",
+            "borrowed_blocking_refit_seconds",
         )
-        assert [len(measured[key]) for key in samples] == [3] * 5
+        assert [len(measured[key]) for key in samples] == [3] * 7
+        assert all(0 < seconds < 1.0 for key in samples for seconds in measured[key])
         assert 0 < measured["floor_median_s"] and 0 < measured["floor_with_hand_offs_median_s"]
         assert 0 < measured["refit_median_s"] < 1.0 and 0 < measured["blocking_refit_median_s"] < 1.0
         # the receive returns after its last batch was taken
@@ -270,6 +273,7 @@ def test_the_small_refit_benchmark_runs_beside_its_floors(tmp_path: Path) -> Non
         assert all(len(values) == 3 and all(0 < value < 1.0 for value in values) for values in cpu.values()), cpu
     report = (tmp_path / "small_refit.md").read_text()
     assert "| gloo_cpu |" in report and "| backend | refit: policy | rollout | both | wall |" in report
+    assert "| backend | refit, borrowed | / floor |" in report
 
 
 def test_the_verl_sync_benchmark_times_each_part_of_a_sync(tmp_path: Path) -> None:
