@@ -556,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.001, 0.01, 0.05, 0.1, 0.2, 0.3, 0.4])
     parser.add_argument("--bucket-size", type=parse_size, default=32 << 20)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--settle", type=int, default=4)
+    parser.add_argument("--settle", type=int, default=6)
     parser.add_argument("--workload-hidden", type=int, default=1024)
     parser.add_argument("--workload-layers", type=int, default=4)
     parser.add_argument("--workload-steps", type=int, default=5)

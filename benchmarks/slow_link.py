@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 10.0], help="Gbit/s")
     parser.add_argument("--fraction", type=float, default=0.01)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--settle", type=int, default=4)
+    parser.add_argument("--settle", type=int, default=6)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
     try:
