@@ -52,8 +52,9 @@ of its whole time: the margin keeps a weight near the break-even from moving (an
 at every refit."""
 
 _GB = 1e9
+# The kinds of bytes a refit pays for once per copy (freeing it; its first patch, which hashes it
+# whole): a refit mostly of them is not learnt from.
 _ONE_TIME = frozenset({"released", "first patched"})
-# The kinds of bytes that cost a refit once per copy: a refit mostly of them is not learnt from.
 # The prior the patched fit is held near (seconds per GB patched, per G elements changed): a
 # guess that a refit's data outweighs as soon as there is any, and that decides the split of
 # time between the two only while every refit changed about the same fraction. Its strength
