@@ -65,6 +65,7 @@ from ckpt_core.orchestration.coordinator import RefitCoordinator
 from ckpt_core.orchestration.local import LocalProcessPool
 from ckpt_core.orchestration.worker import RefitWorker, refit_worker_specs
 from ckpt_core.testing.weights import Weights
+from ckpt_core.transport.engine import BucketedEngine
 
 from .methods import worker_env
 from .outputs import write_results
@@ -134,8 +135,10 @@ class TimedRefitWorker(RefitWorker):
             start, cpu = time.perf_counter(), time.process_time()
             await self.engine.send_weights(item for item in weights)
             return _sent(start, cpu)
+        engine = self.engine
+        assert isinstance(engine, BucketedEngine)  # both backends' engines: `owned` is its keyword
         count, cpu = 0, time.process_time()
-        async for batch in self.engine.receive_weight_batches(owned=owned):
+        async for batch in engine.receive_weight_batches(owned=owned):
             count += len(batch)
             ended = time.perf_counter()
         return _received(ended, count, cpu)
