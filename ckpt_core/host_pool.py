@@ -7,7 +7,9 @@ shared storages behind small tensors have a pool of their own, at most 64 MiB, w
 :func:`limit_host_pool` leaves as it is and :func:`release_host_memory` empties too.) A loader
 that copies each batch into a model and lets it go (an inference engine's) can hand the pool
 back after each refit, or turn the pool off; ``finalize()`` of an engine built with
-``release_after_refit=True`` also empties it.
+``release_after_refit=True`` also empties it. A Gloo receiver that hands a slot's memory over
+with the small tensors it holds takes the slot's new memory from this pool; the memory it gave
+up is freed (or pooled, if it came from here) once those tensors are.
 """
 
 from __future__ import annotations

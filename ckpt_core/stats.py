@@ -30,6 +30,10 @@ class RefitStats:
     direct_chunks: int = 0
     """Chunks moved outside the bucket buffers, straight between a weight and its output
     tensor (transports with ``direct_chunks``, for chunks of 1 MiB and more)."""
+    handed_over_buckets: int = 0
+    """Receiver: buckets of small whole tensors received owned whose transport handed its
+    buffer's memory over (``BucketReceiver.hand_over``): their tensors are views of it, nothing
+    copied out of a slot."""
     replayed_tensors: int = 0
     """Sender: tensors copied to the place they had in the last refit's layout, which this one
     repeated (nothing laid out or described again); the rest were laid out afresh."""

@@ -17,7 +17,10 @@ Small tensors, landed together: a receiver of many small tensors spends most of 
 creating them (an allocation each), not copying them. :class:`SmallTensorLander` lands a run of
 small whole tensors that lie next to each other in a host buffer with one allocation and one
 copy, as views of one shared storage of ``SHARED_STORAGE_BYTES``. They never alias the
-buffer; keeping one of them alive keeps that storage (``clone()`` it to keep it alone).
+buffer; keeping one of them alive keeps that storage (``clone()`` it to keep it alone). Where
+the transport hands the buffer's memory over for good (:meth:`SmallRun.adopt`), a run's
+tensors are views of its own bytes there instead, on a storage of the run's span alone, with
+nothing copied; keeping one of them alive then keeps the bucket's memory resident.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ckpt_core._internal.host_alloc import empty_host, empty_host_storage
+from ckpt_core._internal.host_alloc import empty_host, empty_host_storage, range_storage
 from ckpt_core.contract import TensorMeta
 from ckpt_core.errors import ChunkStreamError, OutOfMemoryError
 from ckpt_core.tensors import dtype_name
@@ -215,6 +218,13 @@ class SmallRun:
         storage = empty_host_storage(SHARED_STORAGE_BYTES)
         ctypes.memmove(storage.data_ptr(), buffer.data_ptr() + self.start, self.end - self.start)
         return self._views(storage, -self.start)
+
+    def adopt(self, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The tensors as views of the run's own bytes of ``buffer`` (memory its transport
+        handed over for good, its address 64-byte aligned), on a storage of the run's span
+        alone: owned, and nothing copied."""
+        self._check_inside(buffer)
+        return self._views(range_storage(buffer, self.start, self.end - self.start), -self.start)
 
     def lend(self, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The tensors as views of ``buffer`` itself (borrowed: valid while its bytes are)."""

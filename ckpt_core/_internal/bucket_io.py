@@ -132,5 +132,18 @@ class BucketReceiver(abc.ABC):
     def release(self, slot: int) -> None:
         """The pipeline is done reading ``buffer(slot)``: the sender may refill it."""
 
+    def hand_over(self, slot: int, nbytes: int) -> bool:
+        """Give the pipeline the memory of ``buffer(slot)`` for good, its first ``nbytes``
+        received, and take new memory for the slot, before ``release(slot)``: the tensors the
+        bucket completes are then views of it, with nothing copied out. ``False`` (the
+        default): this transport cannot (a buffer shared with the sender, on a device, or
+        registered with the network), and the pipeline copies the tensors out as usual.
+
+        Asked only for a host bucket of small whole tensors, received owned (not borrowed). The
+        transport must not touch the memory it handed over again, and should give back to
+        the system what lies past ``nbytes`` (it stays alive as long as one of those tensors
+        does)."""
+        return False
+
     def close(self) -> None:
         """Release buffers and connections. Idempotent."""

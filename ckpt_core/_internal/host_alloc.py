@@ -179,6 +179,31 @@ def empty_host_storage(nbytes: int) -> torch.Tensor:
     return _mapped_bytes(nbytes, _STORAGE_POOL)
 
 
+def range_storage(buffer: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+    """Bytes ``[offset, offset + nbytes)`` of ``buffer`` (a contiguous 1-D ``uint8`` host
+    tensor) as a 1-D ``uint8`` tensor on a storage of exactly ``nbytes``, which keeps all of
+    ``buffer``'s memory alive (no copy). For memory a transport has handed over for good: its
+    views then own what they show, and a caller saving one saves ``nbytes`` at most."""
+    if offset < 0 or nbytes < 0 or offset + nbytes > buffer.numel():
+        raise ValueError(f"bytes [{offset}, {offset + nbytes}) lie outside a {buffer.numel()}-byte buffer")
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(buffer.numpy(), dtype=torch.uint8, count=nbytes, offset=offset)
+
+
+def release_pages_past(buffer: torch.Tensor, nbytes: int) -> None:
+    """Give the whole pages of a contiguous host ``buffer`` that lie past its first ``nbytes``
+    back to the system (they read as zeros when touched again): memory handed over with a small
+    payload keeps only what holds it resident. Best effort, like :func:`prefault`."""
+    if _libc is None or buffer.device.type != "cpu":
+        return
+    start = buffer.data_ptr()
+    first = -(-(start + nbytes) // _PAGE) * _PAGE
+    end = (start + buffer.numel() * buffer.element_size()) // _PAGE * _PAGE
+    if end > first:
+        _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), _MADV_DONTNEED)
+
+
 SMALL_COPY_BYTES = 256 << 10
 """Host copies up to this size go through ``memmove``: for small chunks torch's per-op cost
 is most of the copy's."""
@@ -224,6 +249,7 @@ def pooled_bytes() -> int:
     return _POOL.pooled_bytes + _STORAGE_POOL.pooled_bytes
 
 
+_MADV_DONTNEED = 4
 _MADV_POPULATE_WRITE = 23
 """Linux 5.14+: fault pages in, writable, without changing what they hold."""
 _PAGE = mmap.PAGESIZE

@@ -308,12 +308,22 @@ class _BucketStream:
     def _finish_small(
         self, bucket: _PlannedBucket, payload: torch.Tensor, start: float
     ) -> list[tuple[str, torch.Tensor]]:
-        """:meth:`_finish` for a bucket of small whole tensors: landed (or lent) run by run."""
+        """:meth:`_finish` for a bucket of small whole tensors: lent run by run, or owned, in
+        the memory the transport hands over (:meth:`BucketReceiver.hand_over`) or copied out."""
         assert bucket.small_runs is not None
         done: list[tuple[str, torch.Tensor]] = []
-        for run in bucket.small_runs:
-            done += run.lend(payload) if self.borrow else run.land(payload)
-        return self._finished(bucket, done, self.borrow and bool(done), start)
+        if self.borrow:
+            for run in bucket.small_runs:
+                done += run.lend(payload)
+            return self._finished(bucket, done, bool(done), start)
+        if payload.data_ptr() % 64 == 0 and self.receiver.hand_over(bucket.slot, bucket.header.payload_nbytes):
+            self.stats.handed_over_buckets += 1
+            for run in bucket.small_runs:
+                done += run.adopt(payload)
+        else:
+            for run in bucket.small_runs:
+                done += run.land(payload)
+        return self._finished(bucket, done, False, start)
 
     def _finished(
         self, bucket: _PlannedBucket, done: list[tuple[str, torch.Tensor]], lent: bool, start: float

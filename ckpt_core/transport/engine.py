@@ -442,12 +442,13 @@ class BucketedEngine(TransportHooks, CheckpointEngine):
     ) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
         """Yield one refit's ``(name, tensor)`` batches, in the sender's order. Tensors own
         their memory: no transport buffer is aliased, though small host tensors (256 KiB at
-        most) of one bucket may be views of one shared 1 MiB storage; with
-        ``borrow_received_tensors``, whole tensors of a bucket are views of the transport's
-        buffer instead, valid until the next batch is asked for, unless ``owned`` asks for
-        tensors that own their memory in this refit. Stopping early voids the refit
-        (the engine must be re-initialized; the transport, and with it any lent buffer, is
-        dropped then).
+        most) of one bucket may be views of one shared 1 MiB storage (over a transport that
+        hands its slot's memory over, Gloo's, in the memory the bucket arrived in: keeping one
+        keeps that bucket's bytes); with ``borrow_received_tensors``, whole tensors of a bucket
+        are views of the transport's buffer instead, valid until the next batch is asked for,
+        unless ``owned`` asks for tensors that own their memory in this refit. Stopping early
+        voids the refit (the engine must be re-initialized; the transport, and with it any lent
+        buffer, is dropped then).
 
         Never blocks the event loop: the refit runs on a thread of its own (the engine's, kept
         from one refit to the next), advanced one batch per ``__anext__`` and idle while the

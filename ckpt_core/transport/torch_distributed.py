@@ -66,6 +66,7 @@ from ckpt_core._internal.agreement import agree_as_member, agree_as_policy
 from ckpt_core._internal.auth import answer_challenge, host_challenge, resolve_token, verify_members
 from ckpt_core._internal.bucket_io import BucketReceiver, BucketSender, bucket_buffers
 from ckpt_core._internal.fence import ListenerFence, gloo_device, lazy_init
+from ckpt_core._internal.host_alloc import empty_host, release_pages_past
 from ckpt_core._internal.node_address import AUTO, HOST_ENV, node_address
 from ckpt_core._internal.store import DetachableStore, join_store
 from ckpt_core._internal.wire import MAX_HEADER_BYTES
@@ -306,6 +307,23 @@ class DistributedReceiver(BucketReceiver):
 
     def wait_payload(self, slot: int, timeout_s: float) -> None:
         self.link.wait(self._in_flight[slot], timeout_s, "receiving a bucket payload")
+
+    def hand_over(self, slot: int, nbytes: int) -> bool:
+        """Host buffers only: the slot (its frame too, when framed) gets new memory from the
+        host pool, and the old one keeps only its first ``nbytes`` resident. The slot has no
+        receive posted now (its header arrived and the pipeline has not released it)."""
+        old = self._buffers[slot]
+        if old.device.type != "cpu":
+            return False
+        if self._framed:
+            whole = empty_host(self._slots[slot].shape, torch.uint8)
+            self._slots[slot] = whole
+            self._frames[slot] = whole[:HEADER_FRAME_BYTES]
+            self._buffers[slot] = whole[HEADER_FRAME_BYTES:]
+        else:
+            self._buffers[slot] = empty_host(old.shape, torch.uint8)
+        release_pages_past(old, nbytes)
+        return True
 
     def release(self, slot: int) -> None:
         self._busy.discard(slot)

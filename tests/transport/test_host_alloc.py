@@ -3,6 +3,7 @@ prefaulting."""
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -16,7 +17,9 @@ from ckpt_core._internal.host_alloc import (
     host_address,
     pooled_bytes,
     prefault,
+    range_storage,
     release_host_pool,
+    release_pages_past,
 )
 
 
@@ -194,3 +197,26 @@ def test_host_bucket_buffers_are_resident_from_the_start() -> None:
     buffers = bucket_buffers(2, 32 << 20, torch.device("cpu"))
     assert rss() - before >= 60 << 20, "the buffers' pages are not resident yet"
     assert all(b.numel() == 32 << 20 and b.dtype == torch.uint8 for b in buffers)
+
+
+def test_a_range_storage_holds_its_bytes_alone_and_keeps_the_buffer_alive() -> None:
+    buffer = torch.arange(256, dtype=torch.uint8).repeat(64)
+    part = range_storage(buffer, 4096, 1000)
+    assert part.untyped_storage().nbytes() == 1000 and part.data_ptr() == buffer.data_ptr() + 4096
+    want = buffer[4096:5096].clone()
+    del buffer
+    gc.collect()
+    assert torch.equal(part, want)
+    assert range_storage(torch.zeros(8, dtype=torch.uint8), 8, 0).numel() == 0
+    with pytest.raises(ValueError, match="outside"):
+        range_storage(torch.zeros(8, dtype=torch.uint8), 4, 5)
+
+
+@pytest.mark.skipif(host_alloc._libc is None, reason="madvise is Linux's")
+def test_pages_past_what_a_buffer_holds_go_back_and_the_rest_stays() -> None:
+    page = host_alloc.mmap.PAGESIZE
+    buffer = empty_host(torch.Size([64 * page]), torch.uint8)
+    buffer.fill_(7)
+    release_pages_past(buffer, 5 * page + 3)
+    assert bool((buffer[: 6 * page] == 7).all())  # the page holding byte 5 * page + 2 stays whole
+    assert bool((buffer[6 * page :] == 0).all())  # given back: zero-filled when read again

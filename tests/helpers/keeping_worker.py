@@ -1,0 +1,51 @@
+"""A rollout worker that keeps every refit's tensors, for tests that a later refit leaves
+earlier ones as they were, and a weights factory of small tensors only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ckpt_core.orchestration.worker import RefitWorker
+from ckpt_core.orchestration.workload import digests
+from ckpt_core.testing.weights import Weights
+
+DTYPES = (torch.bfloat16, torch.float32, torch.int64, torch.bool, torch.float16, torch.uint8)
+
+
+def small_weights(params: dict[str, Any], *, refit_index: int, rank: int) -> Weights:
+    """``params["count"]`` small whole tensors of several dtypes and shapes (a few KiB each,
+    none empty), their values set by ``params["seed"]`` and ``refit_index``."""
+    generator = torch.Generator().manual_seed(1000 * int(params["seed"]) + refit_index)
+    for index in range(int(params["count"])):
+        dtype = DTYPES[index % len(DTYPES)]
+        shape = (3 + index % 5, 17 + 7 * index) if index % 3 else (129 + index,)
+        if dtype is torch.bool:
+            tensor = torch.rand(shape, generator=generator) > 0.5
+        elif dtype.is_floating_point:
+            tensor = torch.randn(shape, generator=generator).to(dtype)
+        else:
+            tensor = torch.randint(0, 100, shape, generator=generator).to(dtype)
+        yield f"small.{index}", tensor
+
+
+class KeepingWorker(RefitWorker):
+    """:class:`RefitWorker` whose rollout keeps the tensors of every refit it received."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.kept: list[dict[str, torch.Tensor]] = []
+
+    async def _receive(self) -> dict[str, torch.Tensor]:
+        received = await super()._receive()
+        self.kept.append(received)
+        return received
+
+    def kept_digests(self) -> list[dict[str, str]]:
+        """The digests of each kept refit's tensors, taken now."""
+        return [digests(received.items()) for received in self.kept]
+
+    def largest_kept_storage(self) -> int:
+        """The bytes of the largest storage behind a kept tensor."""
+        return max(t.untyped_storage().nbytes() for received in self.kept for t in received.values())

@@ -1,0 +1,63 @@
+"""A bucket of small whole tensors received owned over Gloo is not copied out of its slot:
+the transport hands the slot's memory over and takes new memory for the slot
+(``BucketReceiver.hand_over``). Real processes, real Gloo groups: the tensors of every refit
+must stay as they arrived through the refits after it, each on a storage of at most 1 MiB;
+a transport whose buffer is shared with its sender (cuda_ipc) copies them out as before."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckpt_core._internal.assembly import SHARED_STORAGE_BYTES
+from ckpt_core.orchestration.coordinator import RefitCoordinator
+from ckpt_core.orchestration.local import LocalProcessPool
+from ckpt_core.orchestration.worker import refit_worker_specs
+
+CASES = {  # case -> (backend, options, whether the receivers hand their slots over)
+    "gloo_cpu-paired": ("gloo_cpu", {"topology": "paired"}, True),  # framed: frame and payload as one message
+    "gloo_cpu-broadcast": ("gloo_cpu", {"topology": "broadcast"}, True),  # the payload after its header
+    "cuda_ipc_cpu": ("cuda_ipc", {"device": "cpu"}, False),
+}
+BUCKET = 256 << 10  # several buckets per refit, so both slots are handed over and reused
+PARAMS = {"seed": 3, "count": 150}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tensors_of_handed_over_buckets_stay_as_they_arrived_through_later_refits(case: str) -> None:
+    backend, options, hands_over = CASES[case]
+    specs, labels = refit_worker_specs(
+        backend=backend,
+        num_policy=2 if options.get("topology") == "paired" else 1,
+        num_rollout=2,
+        bucket_size=BUCKET,
+        engine_kwargs=options,
+        weights="tests.helpers.keeping_worker:small_weights",
+        weights_params=PARAMS,
+    )
+    for spec in specs:
+        spec["service"] = "tests.helpers.keeping_worker:KeepingWorker"
+    num_policy = len(specs) - 2
+    with LocalProcessPool(specs, labels=labels) as pool:
+        coordinator = RefitCoordinator(
+            pool, num_policy=num_policy, num_rollout=2, timeout_s=60, topology=options.get("topology", "broadcast")
+        )
+        coordinator.setup()
+        try:
+            arrived = []  # per refit, each rollout rank's digests on arrival (checked against the sender's)
+            for _ in range(4):
+                report = coordinator.refit()
+                arrived.append([result["digests"] for result in report.rollout])
+                buckets = [result["stats"]["buckets"] for result in report.rollout]
+                handed = [result["stats"]["handed_over_buckets"] for result in report.rollout]
+                assert min(buckets) >= 3, buckets
+                assert handed == (buckets if hands_over else [0, 0]), (handed, buckets)
+            assert len({digest for refit in arrived for digest in refit[0].values()}) > 150  # refits differ
+            rollouts = range(num_policy, num_policy + 2)
+            later = pool.call([(index, "kept_digests", {}) for index in rollouts], timeout_s=60)
+            assert all(result.ok for result in later), later
+            for rank, result in enumerate(later):
+                assert result.value == [refit[rank] for refit in arrived], f"rollout rank {rank}'s kept tensors changed"
+            largest = pool.call([(index, "largest_kept_storage", {}) for index in rollouts], timeout_s=60)
+            assert all(result.ok and result.value <= SHARED_STORAGE_BYTES for result in largest), largest
+        finally:
+            coordinator.finalize()
