@@ -140,9 +140,9 @@ class BucketReceiver(abc.ABC):
         registered with the network), and the pipeline copies the tensors out as usual.
 
         Asked only for a host bucket of small whole tensors, received owned (not borrowed). The
-        transport must not touch the memory it handed over again, and should give back to
-        the system what lies past ``nbytes`` (it stays alive as long as one of those tensors
-        does)."""
+        transport must not touch the memory it handed over again; it stays alive as long as
+        one of those tensors does, so pages resident past ``nbytes`` that no bucket wrote (a
+        buffer zeroed at start) should go back to the system."""
         return False
 
     def close(self) -> None:

@@ -69,12 +69,19 @@ class _Pool:
         self._age: collections.OrderedDict[int, tuple[int, mmap.mmap]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def take(self, size: int) -> mmap.mmap | None:
+    def take(self, size: int, prefer: int | None = None) -> mmap.mmap | None:
+        """A freed block of ``size`` bytes: the one whose mapping has ``id`` ``prefer`` if it
+        is here, else the most recently freed; ``None`` if there is none."""
         with self._lock:
             free = self._free.get(size)
             if not free:
                 return None
-            mapping = free.pop()
+            preferred = self._age.get(prefer) if prefer is not None else None
+            if preferred is not None and preferred[0] == size:
+                mapping = preferred[1]
+                free.remove(mapping)
+            else:
+                mapping = free.pop()
             del self._age[id(mapping)]
             self.pooled_bytes -= size
             return mapping
@@ -143,10 +150,16 @@ def _block_type(size: int, pool: _Pool) -> Any:
 def _mapped_bytes(nbytes: int, pool: _Pool) -> torch.Tensor:
     """A 1-D ``uint8`` tensor of ``nbytes`` on an anonymous mapping taken from ``pool`` (or
     new), which goes back to ``pool`` when the tensor's storage is freed."""
+    return _mapped_block(nbytes, pool)[0]
+
+
+def _mapped_block(nbytes: int, pool: _Pool, prefer: int | None = None) -> tuple[torch.Tensor, int]:
+    """:func:`_mapped_bytes`, preferring the freed mapping whose ``id`` is ``prefer``; also
+    returns the ``id`` of the mapping it used."""
     huge = nbytes >= HUGE_PAGE_THRESHOLD and hasattr(mmap, "MADV_HUGEPAGE")
     unit = _HUGE_PAGE if huge else mmap.PAGESIZE
     size = -(-nbytes // unit) * unit
-    mapping = pool.take(size)
+    mapping = pool.take(size, prefer)
     if mapping is None:
         mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if huge:
@@ -156,7 +169,7 @@ def _mapped_bytes(nbytes: int, pool: _Pool) -> torch.Tensor:
                 pass
     block = _block_type(size, pool).from_buffer(mapping)
     block.mapping = mapping
-    return torch.frombuffer(block, dtype=torch.uint8, count=nbytes)
+    return torch.frombuffer(block, dtype=torch.uint8, count=nbytes), id(mapping)
 
 
 def empty_host(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -177,6 +190,17 @@ def empty_host_storage(nbytes: int) -> torch.Tensor:
     steady from refit to refit (the C heap's was not), and never pushing a large tensor's
     block out of the main pool, which a receiver holding a whole refit may fill."""
     return _mapped_bytes(nbytes, _STORAGE_POOL)
+
+
+def slot_memory(nbytes: int, prefer: int | None = None) -> tuple[torch.Tensor, int]:
+    """New memory for a receiver's slot whose memory it hands over with the tensors in it
+    (``BucketReceiver.hand_over``): an uninitialized 1-D ``uint8`` CPU tensor of ``nbytes``
+    from the host pool, and a key for that memory. ``prefer``: the key of the memory this slot
+    handed over before, taken again if its tensors were freed since. A slot's buckets repeat
+    from refit to refit, so that memory is resident where the next bucket lands; the most
+    recently freed block may hold another slot's smaller bucket, and the pages past it would
+    fault in again."""
+    return _mapped_block(nbytes, _POOL, prefer)
 
 
 def range_storage(buffer: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:

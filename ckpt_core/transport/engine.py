@@ -444,7 +444,7 @@ class BucketedEngine(TransportHooks, CheckpointEngine):
         their memory: no transport buffer is aliased, though small host tensors (256 KiB at
         most) of one bucket may be views of one shared 1 MiB storage (over a transport that
         hands its slot's memory over, Gloo's, in the memory the bucket arrived in: keeping one
-        keeps that bucket's bytes); with ``borrow_received_tensors``, whole tensors of a bucket
+        keeps that memory); with ``borrow_received_tensors``, whole tensors of a bucket
         are views of the transport's buffer instead, valid until the next batch is asked for,
         unless ``owned`` asks for tensors that own their memory in this refit. Stopping early
         voids the refit (the engine must be re-initialized; the transport, and with it any lent

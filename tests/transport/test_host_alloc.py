@@ -20,6 +20,7 @@ from ckpt_core._internal.host_alloc import (
     range_storage,
     release_host_pool,
     release_pages_past,
+    slot_memory,
 )
 
 
@@ -220,3 +221,16 @@ def test_pages_past_what_a_buffer_holds_go_back_and_the_rest_stays() -> None:
     release_pages_past(buffer, 5 * page + 3)
     assert bool((buffer[: 6 * page] == 7).all())  # the page holding byte 5 * page + 2 stays whole
     assert bool((buffer[6 * page :] == 0).all())  # given back: zero-filled when read again
+
+
+def test_a_slot_takes_back_the_memory_it_gave_away_before_any_freed_later() -> None:
+    nbytes = 3 * HUGE_PAGE_THRESHOLD
+    first, first_key = slot_memory(nbytes)
+    second, second_key = slot_memory(nbytes)
+    addresses = {first_key: first.data_ptr(), second_key: second.data_ptr()}
+    del first, second  # the second freed last: taken first without a preference
+    gc.collect()
+    again, key = slot_memory(nbytes, prefer=first_key)
+    assert key == first_key and again.data_ptr() == addresses[first_key]
+    other, other_key = slot_memory(nbytes, prefer=first_key)  # taken already: another block
+    assert other_key != first_key and other.data_ptr() != again.data_ptr()
