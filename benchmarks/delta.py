@@ -7,7 +7,8 @@ Four measurements (issue 50, points 1 and 2; the workload from issue 34):
   weights and AdamW on random data at each learning rate of ``--lrs``, and cast to bf16 after
   each step; the fraction of bf16 elements whose bits changed from the step before is reported.
 * **kernels**: on ``--kernel-size`` of bf16 (1% changed), in this process with torch's threads
-  (every core by default), best of 5 each: a copy of the tensor into warm memory (the memcpy);
+  (every core by default), in 9 rounds that each time every pass once, in turn (medians; each
+  ratio the median of its rounds' ratios): a copy of the tensor into warm memory (the memcpy);
   the sender's diff (:func:`ckpt_core.refit.delta.compare`: compare, lay the patch out, patch the
   baseline in place and make the new version's digest from the baseline's, one pass); the receiver's apply (decode the
   patch, patch its copy and hash it, one pass). Goal: each at least 0.6x the memcpy's speed
@@ -75,6 +76,7 @@ BACKENDS = {  # backend -> (engine options, coordinator topology)
     "cuda_ipc": ({"device": "cpu"}, "broadcast"),
 }
 GOALS = {"floor": 1.3, "full_at_1%": 0.6, "full_at_40%": 1.1, "kernels": 0.6}
+KERNEL_ROUNDS = 9
 _WEIGHTS: list[tuple[str, torch.Tensor]] = []
 _PREVIOUS: list[torch.Tensor] = []
 
@@ -324,9 +326,12 @@ def brief(row: dict[str, Any]) -> str:
     )
 
 
-def kernels(elements: int, fraction: float, repeats: int = 5) -> dict[str, Any]:
-    """Best-of-``repeats`` seconds of the sender's diff, the receiver's apply and a copy, of
-    one bf16 tensor of ``elements`` with ``fraction`` of them changed, on torch's threads."""
+def kernels(elements: int, fraction: float, rounds: int = KERNEL_ROUNDS) -> dict[str, Any]:
+    """Seconds of the sender's diff, the receiver's apply and a copy, of one bf16 tensor of
+    ``elements`` with ``fraction`` of them changed, on torch's threads: ``rounds`` rounds, each
+    timing every pass once, in turn; medians over the rounds, and each pass's ratio to the
+    copy the median of its rounds' ratios (a pass and the copy it is held to run moments apart,
+    so a quiet or busy spell of the machine weighs on both)."""
     generator = torch.Generator().manual_seed(7)
     old = (torch.randn(elements, generator=generator) * 0.02).bfloat16()
     new = old.clone()
@@ -338,15 +343,13 @@ def kernels(elements: int, fraction: float, repeats: int = 5) -> dict[str, Any]:
     wire = compare(old, new, name="w", encoded=True).encoded
     assert wire is not None
 
-    def best(work: Callable[[], Callable[[], None] | None]) -> float:
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            restore = work()
-            times.append(time.perf_counter() - start)
-            if restore is not None:
-                restore()  # untimed: the old version back for the next repeat
-        return min(times)
+    def timed(work: Callable[[], Callable[[], None] | None]) -> float:
+        start = time.perf_counter()
+        restore = work()
+        seconds = time.perf_counter() - start
+        if restore is not None:
+            restore()  # untimed: the old version back for the next round
+        return seconds
 
     def restore(tensor: torch.Tensor, undo: Patch) -> None:
         apply(tensor, undo, name="w")
@@ -381,22 +384,24 @@ def kernels(elements: int, fraction: float, repeats: int = 5) -> dict[str, Any]:
     def copy() -> None:
         target.copy_(new)
 
-    copy_s = best(copy)
-    diff_s = best(diff)
-    apply_s = best(receive)
-    apply_known_s = best(receive_known)
-    return {
+    passes = {"copy": copy, "diff": diff, "apply": receive, "apply_known": receive_known}
+    seconds: dict[str, list[float]] = {name: [] for name in passes}
+    for _ in range(rounds):
+        for name, work in passes.items():
+            seconds[name].append(timed(work))
+    results: dict[str, Any] = {
         "bytes": new.nbytes,
         "fraction": fraction,
         "threads": torch.get_num_threads(),
-        "copy_seconds": copy_s,
-        "diff_seconds": diff_s,
-        "apply_seconds": apply_s,
-        "diff_ratio_to_copy": copy_s / diff_s,
-        "apply_ratio_to_copy": copy_s / apply_s,
-        "apply_known_seconds": apply_known_s,
-        "apply_known_ratio_to_copy": copy_s / apply_known_s,
+        "rounds": rounds,
+        "round_seconds": seconds,
     }
+    for name, times in seconds.items():
+        results[f"{name}_seconds"] = statistics.median(times)
+        if name != "copy":
+            ratios = [copy_s / pass_s for copy_s, pass_s in zip(seconds["copy"], times)]
+            results[f"{name}_ratio_to_copy"] = statistics.median(ratios)
+    return results
 
 
 def workload(hidden: int, layers: int, lrs: list[float], steps: int) -> list[dict[str, Any]]:
@@ -488,7 +493,8 @@ def report_table(r: dict[str, Any]) -> str:
     lines += [
         "",
         f"## Kernels: {k['bytes'] / mib:.0f} MiB of bf16, {k['fraction']:.0%} changed, {k['threads']} threads, "
-        "best of 5",
+        f"medians of {k['rounds']} rounds (each timing every pass once, in turn; each ratio the median of "
+        "its rounds' ratios)",
         "",
         "| pass | seconds | x memcpy speed |",
         "| --- | --- | --- |",
