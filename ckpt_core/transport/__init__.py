@@ -51,6 +51,8 @@ _EXPORTS = {
     "device_payload_checksum": "ckpt_core._internal.device_checksum",
     "gloo_group": "ckpt_core.transport.torch_distributed",
     "payload_checksum": "ckpt_core._internal.checksum",
+    "release_pages_past": "ckpt_core._internal.host_alloc",
+    "slot_memory": "ckpt_core._internal.host_alloc",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -68,6 +70,7 @@ if TYPE_CHECKING:
     from ckpt_core._internal.bucket_io import BucketReceiver, BucketSender
     from ckpt_core._internal.checksum import payload_checksum
     from ckpt_core._internal.device_checksum import device_payload_checksum
+    from ckpt_core._internal.host_alloc import release_pages_past, slot_memory
     from ckpt_core._internal.pipeline import Checksum
     from ckpt_core.options import (
         MAX_TIMEOUT_S,
