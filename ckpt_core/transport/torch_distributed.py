@@ -252,8 +252,7 @@ class DistributedReceiver(BucketReceiver):
         self._frame_slot = 0  # the slot the next header arrives in (framed)
         self._expected = False  # expect_header() ran and its frame awaits its slot's release
         self._busy: set[int] = set()  # slots whose header arrived and the pipeline has not released
-        self._zeroed = set(range(self.num_slots))  # slots on the buffers made at start, resident whole
-        self._memory: list[int | None] = [None] * self.num_slots  # per slot: its pool memory's key
+        self._memory: list[int | None] = [None] * self.num_slots  # per slot: its pool memory (None: made at start)
         self._given: list[int | None] = [None] * self.num_slots  # per slot: the memory it handed over last
 
     def buffer(self, slot: int) -> torch.Tensor:
@@ -322,6 +321,7 @@ class DistributedReceiver(BucketReceiver):
         old = self._buffers[slot]
         if old.device.type != "cpu":
             return False
+        made_at_start = self._memory[slot] is None
         prefer, self._given[slot] = self._given[slot], self._memory[slot]
         if self._framed:
             whole, self._memory[slot] = slot_memory(self._slots[slot].numel(), prefer)
@@ -330,8 +330,7 @@ class DistributedReceiver(BucketReceiver):
             self._buffers[slot] = whole[HEADER_FRAME_BYTES:]
         else:
             self._buffers[slot], self._memory[slot] = slot_memory(old.numel(), prefer)
-        if slot in self._zeroed:
-            self._zeroed.discard(slot)
+        if made_at_start:
             release_pages_past(old, nbytes)
         return True
 
