@@ -86,6 +86,11 @@ class _Pool:
             self.pooled_bytes -= size
             return mapping
 
+    def holds(self, key: int) -> bool:
+        """Whether the freed mapping whose ``id`` is ``key`` is here."""
+        with self._lock:
+            return key in self._age
+
     def give(self, mapping: mmap.mmap, size: int) -> None:
         if size > self.limit:
             return
@@ -201,6 +206,12 @@ def slot_memory(nbytes: int, prefer: int | None = None) -> tuple[torch.Tensor, i
     recently freed block may hold another slot's smaller bucket, and the pages past it would
     fault in again."""
     return _mapped_block(nbytes, _POOL, prefer)
+
+
+def slot_memory_back(key: int) -> bool:
+    """Whether the memory :func:`slot_memory` gave under ``key`` is back in the pool: every
+    tensor that held it was freed."""
+    return _POOL.holds(key)
 
 
 def range_storage(buffer: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ from ckpt_core._internal.host_alloc import (
     release_host_pool,
     release_pages_past,
     slot_memory,
+    slot_memory_back,
 )
 
 
@@ -234,3 +235,14 @@ def test_a_slot_takes_back_the_memory_it_gave_away_before_any_freed_later() -> N
     assert key == first_key and again.data_ptr() == addresses[first_key]
     other, other_key = slot_memory(nbytes, prefer=first_key)  # taken already: another block
     assert other_key != first_key and other.data_ptr() != again.data_ptr()
+
+
+def test_slot_memory_is_back_once_every_tensor_on_it_is_freed() -> None:
+    memory, key = slot_memory(3 * HUGE_PAGE_THRESHOLD)
+    view = memory[5:]
+    del memory
+    gc.collect()
+    assert not slot_memory_back(key)  # a view still holds it
+    del view
+    gc.collect()
+    assert slot_memory_back(key)
