@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from ckpt_core._internal.parallel import run_parts, usable_cores
+from ckpt_core._internal.parallel import Claims, run_parts, usable_cores
 
 LEAF_BYTES = 1 << 20
 """The leaf digest's leaf size, and the unit of work of every function here (a power of two)."""
@@ -172,6 +172,7 @@ def find(
     leaves = -(-numel // leaf)
     parts = _parts(numel * width, leaves)
     counts = [0] * parts
+    claims = Claims(leaves)  # each part compares the next leaf no part has taken
     no_saved = np.empty(0, dtype=new.dtype)
     no_change = np.empty(0, dtype=np.uint64)
     tail_before = _tail_term(old) if incremental else 0  # before an update overwrites it
@@ -181,9 +182,10 @@ def find(
         change = np.zeros(1 if incremental else 0, dtype=np.uint64)
         scratch = result.scratch
         try:
-            for number in range(leaves * index // parts, leaves * (index + 1) // parts):
+            for number in claims:
                 start = number * leaf
                 stop = min(numel, start + leaf)
+                begin = result.count
                 while True:
                     found = compiled.find_changes(
                         old,
@@ -211,6 +213,7 @@ def find(
                         result.undo(old, result.count, -1 - found)
                     scratch.grow(min(max_changed, 2 * scratch.capacity + leaf), keep=result.count)
                 result.count = counts[index] = found
+                result.leaves.append((number, begin, found))
                 result.compared += stop - start
                 if sum(counts) > max_changed:  # with the other parts' counts so far: over already
                     result.over = True
@@ -240,15 +243,23 @@ def find(
     positions = blob[prefix : prefix + total * position_dtype.itemsize].view(position_dtype)
     values = blob[values_at:].view(new.dtype)
     saved = np.empty(total if update else 0, dtype=new.dtype)
+    # The parts' leaves go into the patch in leaf order, each part copying its own at once.
+    moves: list[list[tuple[int, int, int]]] = [[] for _ in results]  # per part: (first, end, to)
     at = 0
-    for result in results:
-        count, scratch = result.count, result.scratch
-        positions[at : at + count] = scratch.positions[:count]
-        values[at : at + count] = scratch.values[:count]
-        if update:
-            saved[at : at + count] = scratch.saved[:count]
-        at += count
+    for _, index, first, end in sorted((n, i, a, b) for i, r in enumerate(results) for n, a, b in r.leaves):
+        moves[index].append((first, end, at))
+        at += end - first
+
+    def place(index: int) -> None:
+        scratch = results[index].scratch
+        for first, end, to in moves[index]:
+            positions[to : to + end - first] = scratch.positions[first:end]
+            values[to : to + end - first] = scratch.values[first:end]
+            if update:
+                saved[to : to + end - first] = scratch.saved[first:end]
         scratch.give_back()
+
+    run_parts(place, len(results))
     digest_value = None
     terms = sum(result.terms for result in results)
     if incremental:
@@ -512,11 +523,13 @@ def _words(old: np.ndarray, new: np.ndarray) -> tuple[int, int, np.ndarray, np.n
 
 @dataclasses.dataclass
 class _Part:
-    """One part of a :func:`find`: its scratch, the entries it holds, the digest terms it
-    summed (its leaves', or its words' changes), and whether the count was over when it stopped."""
+    """One part of a :func:`find`: its scratch, the entries it holds, the leaves it claimed
+    (each with the range of its entries), the digest terms it summed (its leaves', or its words'
+    changes), and whether the count was over when it stopped."""
 
     scratch: _Scratch
     count: int = 0
+    leaves: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (leaf, first entry, end)
     compared: int = 0  # elements of the leaves it finished
     terms: int = 0
     over: bool = False

@@ -7,7 +7,8 @@ The pool's threads start on first use; a forked child starts a pool of its own (
 threads do not survive a fork). The number of parts worth running is :func:`usable_cores`, as
 many as torch's intra-op threads: a process given one thread (a local pool's share of a small
 machine) or pinned to one core (as vLLM pins its workers) runs its parts one after the other on
-the calling thread, with no hand-off at all.
+the calling thread, with no hand-off at all. Parts may split their work by :class:`Claims`
+rather than in fixed shares.
 """
 
 from __future__ import annotations
@@ -57,6 +58,30 @@ def run_parts(work: Callable[[int], T], parts: int) -> list[T]:
     if error is not None:
         raise error
     return results
+
+
+class Claims:
+    """The numbers ``0`` to ``count - 1``, each handed out once, in ascending order, to whichever
+    thread asks next (iterate it). Parts of one :func:`run_parts` call that claim their units of
+    work from one of these share the work by how fast each runs: a part whose core is shared for
+    a while (with a library's spinning worker thread, another process) does fewer units instead
+    of holding up the call, as a fixed split would."""
+
+    def __init__(self, count: int) -> None:
+        self._count = count
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def __iter__(self) -> Claims:
+        return self
+
+    def __next__(self) -> int:
+        with self._lock:
+            number = self._next
+            if number >= self._count:
+                raise StopIteration
+            self._next = number + 1
+            return number
 
 
 def _shared_pool() -> ThreadPoolExecutor:
