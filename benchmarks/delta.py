@@ -7,12 +7,13 @@ Four measurements (issue 50, points 1 and 2; the workload from issue 34):
   weights and AdamW on random data at each learning rate of ``--lrs``, and cast to bf16 after
   each step; the fraction of bf16 elements whose bits changed from the step before is reported.
 * **kernels**: on ``--kernel-size`` of bf16 (1% changed), in this process with torch's threads
-  (every core by default), in 9 rounds that each time every pass once, in turn (medians; each
-  ratio the median of its rounds' ratios): a copy of the tensor into warm memory (the memcpy);
-  the sender's diff (:func:`ckpt_core.refit.delta.compare`: compare, lay the patch out, patch the
-  baseline in place and make the new version's digest from the baseline's, one pass); the receiver's apply (decode the
-  patch, patch its copy and hash it, one pass). Goal: each at least 0.6x the memcpy's speed
-  (the memcpy's time over its own), for the same tensor.
+  (every core by default), in 9 rounds that each time every pass once, in turn, each 20 ms
+  after the one before (medians; each ratio the median of its rounds' ratios): a copy of the
+  tensor into warm memory (the memcpy); the sender's diff
+  (:func:`ckpt_core.refit.delta.compare`: compare, lay the patch out, patch the baseline in
+  place and make the new version's digest from the baseline's, one pass); the receiver's apply
+  (decode the patch, patch its copy and hash it, one pass). Goal: each at least 0.6x the
+  memcpy's speed (the memcpy's time over its own), for the same tensor.
 * **refits**: ``--size`` of bf16 weights, ready in one policy process's memory, sent to one
   rollout process by each backend of ``--backends`` (``gloo_cpu`` paired, ``cuda_ipc`` in host
   memory), by two pools at once: *full* (every byte) and *delta* (the ``delta`` option). For
@@ -77,6 +78,11 @@ BACKENDS = {  # backend -> (engine options, coordinator topology)
 }
 GOALS = {"floor": 1.3, "full_at_1%": 0.6, "full_at_40%": 1.1, "kernels": 0.6}
 KERNEL_ROUNDS = 9
+PASS_PAUSE = 0.02
+"""Seconds each kernel pass waits before it is timed. torch's OpenMP threads go on spinning for
+a few milliseconds after a parallel op: a diff timed right after the copy ran 1.23-1.27x as long
+as one timed 20 ms later (paired medians of 21, three runs), its parts sharing a core with a
+spinning thread. Each pass gets both cores, as the goal states."""
 _WEIGHTS: list[tuple[str, torch.Tensor]] = []
 _PREVIOUS: list[torch.Tensor] = []
 
@@ -329,9 +335,9 @@ def brief(row: dict[str, Any]) -> str:
 def kernels(elements: int, fraction: float, rounds: int = KERNEL_ROUNDS) -> dict[str, Any]:
     """Seconds of the sender's diff, the receiver's apply and a copy, of one bf16 tensor of
     ``elements`` with ``fraction`` of them changed, on torch's threads: ``rounds`` rounds, each
-    timing every pass once, in turn; medians over the rounds, and each pass's ratio to the
-    copy the median of its rounds' ratios (a pass and the copy it is held to run moments apart,
-    so a quiet or busy spell of the machine weighs on both)."""
+    timing every pass once, in turn (each after :data:`PASS_PAUSE`); medians over the rounds,
+    and each pass's ratio to the copy the median of its rounds' ratios (a pass and the copy it
+    is held to run moments apart, so a quiet or busy spell of the machine weighs on both)."""
     generator = torch.Generator().manual_seed(7)
     old = (torch.randn(elements, generator=generator) * 0.02).bfloat16()
     new = old.clone()
@@ -344,6 +350,7 @@ def kernels(elements: int, fraction: float, rounds: int = KERNEL_ROUNDS) -> dict
     assert wire is not None
 
     def timed(work: Callable[[], Callable[[], None] | None]) -> float:
+        time.sleep(PASS_PAUSE)  # the pass before's worker threads idle again (see PASS_PAUSE)
         start = time.perf_counter()
         restore = work()
         seconds = time.perf_counter() - start
@@ -493,8 +500,8 @@ def report_table(r: dict[str, Any]) -> str:
     lines += [
         "",
         f"## Kernels: {k['bytes'] / mib:.0f} MiB of bf16, {k['fraction']:.0%} changed, {k['threads']} threads, "
-        f"medians of {k['rounds']} rounds (each timing every pass once, in turn; each ratio the median of "
-        "its rounds' ratios)",
+        f"medians of {k['rounds']} rounds (each timing every pass once, in turn, {PASS_PAUSE * 1000:.0f} ms "
+        "after the one before; each ratio the median of its rounds' ratios)",
         "",
         "| pass | seconds | x memcpy speed |",
         "| --- | --- | --- |",
