@@ -66,7 +66,7 @@ from ckpt_core._internal.agreement import agree_as_member, agree_as_policy
 from ckpt_core._internal.auth import answer_challenge, host_challenge, resolve_token, verify_members
 from ckpt_core._internal.bucket_io import BucketReceiver, BucketSender, bucket_buffers
 from ckpt_core._internal.fence import ListenerFence, gloo_device, lazy_init
-from ckpt_core._internal.host_alloc import release_pages_past, slot_memory, slot_memory_back
+from ckpt_core._internal.host_alloc import SlotMemory, release_pages_past, slot_memory
 from ckpt_core._internal.node_address import AUTO, HOST_ENV, node_address
 from ckpt_core._internal.store import DetachableStore, join_store
 from ckpt_core._internal.wire import MAX_HEADER_BYTES
@@ -252,8 +252,9 @@ class DistributedReceiver(BucketReceiver):
         self._frame_slot = 0  # the slot the next header arrives in (framed)
         self._expected = False  # expect_header() ran and its frame awaits its slot's release
         self._busy: set[int] = set()  # slots whose header arrived and the pipeline has not released
-        self._memory: list[int | None] = [None] * self.num_slots  # per slot: its pool memory (None: made at start)
-        self._given: list[int | None] = [None] * self.num_slots  # per slot: the memory it handed over last
+        # Per slot: its memory from the pool (None: made at start), and the memory it handed over last.
+        self._memory: list[SlotMemory | None] = [None] * self.num_slots
+        self._given: list[SlotMemory | None] = [None] * self.num_slots
 
     def buffer(self, slot: int) -> torch.Tensor:
         return self._buffers[slot]
@@ -312,30 +313,28 @@ class DistributedReceiver(BucketReceiver):
 
     def hand_over(self, slot: int, nbytes: int) -> bool:
         """Host buffers only: the slot (its frame too, when framed) gets new memory from the
-        host pool, the memory it handed over the time before (``slot_memory``). Refused while
-        that memory is still held (a consumer keeping what it received, as vLLM keeps an
-        adapter): new memory would fault in wherever the next bucket lands, which cost an
-        adapter refit into vLLM 2x its time in one run; the bucket is copied out then, and the
-        slot keeps its memory. The slot has no receive posted now (its header arrived and the
-        pipeline has not released it). A buffer made at start, resident whole, keeps only its first
-        ``nbytes`` resident; memory from the pool is handed over as it is, resident as far as
-        it was ever written: giving its tail back too made the next bucket received into it
-        fault that tail in again (20,000 tensors of 4 KiB, 80 MB: 1.4x as long, in one run)."""
+        host pool, preferring the memory it handed over the time before, and refused while that
+        is still held (:func:`~ckpt_core._internal.host_alloc.slot_memory` says why); the bucket
+        is copied out then, and the slot keeps its memory. The slot has no receive posted now
+        (its header arrived and the pipeline has not released it). A buffer made at start,
+        resident whole, keeps only its first ``nbytes`` resident; memory from the pool is handed
+        over as it is, resident as far as it was ever written (giving its tail back too made the
+        next bucket received into it fault that tail in again)."""
         old = self._buffers[slot]
         if old.device.type != "cpu":
             return False
-        given = self._given[slot]
-        if given is not None and not slot_memory_back(given):
+        taken = slot_memory(self._slots[slot].numel() if self._framed else old.numel(), self._given[slot])
+        if taken is None:
             return False
         made_at_start = self._memory[slot] is None
-        prefer, self._given[slot] = self._given[slot], self._memory[slot]
+        self._given[slot] = self._memory[slot]
+        whole, self._memory[slot] = taken
         if self._framed:
-            whole, self._memory[slot] = slot_memory(self._slots[slot].numel(), prefer)
             self._slots[slot] = whole
             self._frames[slot] = whole[:HEADER_FRAME_BYTES]
             self._buffers[slot] = whole[HEADER_FRAME_BYTES:]
         else:
-            self._buffers[slot], self._memory[slot] = slot_memory(old.numel(), prefer)
+            self._buffers[slot] = whole
         if made_at_start:
             release_pages_past(old, nbytes)
         return True

@@ -1,5 +1,6 @@
 """A rollout worker that keeps every refit's tensors, for tests that a later refit leaves
-earlier ones as they were, and a weights factory of small tensors only."""
+earlier ones as they were; one that hands its host pool back before each refit, as a loader
+that lets each batch go may; and a weights factory of small tensors only."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ckpt_core.host_pool import release_host_memory
 from ckpt_core.orchestration.worker import RefitWorker
 from ckpt_core.orchestration.workload import digests
 from ckpt_core.testing.weights import Weights
@@ -49,3 +51,12 @@ class KeepingWorker(RefitWorker):
     def largest_kept_storage(self) -> int:
         """The bytes of the largest storage behind a kept tensor."""
         return max(t.untyped_storage().nbytes() for received in self.kept for t in received.values())
+
+
+class ReleasingWorker(RefitWorker):
+    """:class:`RefitWorker` whose rollout returns its host pool to the system before each
+    refit (``release_host_memory()``), once the refit before's tensors are freed."""
+
+    async def _receive(self) -> dict[str, torch.Tensor]:
+        release_host_memory()
+        return await super()._receive()

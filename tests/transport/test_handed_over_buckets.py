@@ -23,13 +23,22 @@ BUCKET = 256 << 10  # several buckets per refit, so both slots are handed over a
 PARAMS = {"seed": 3, "count": 150}
 
 
-@pytest.mark.parametrize("keep", [True, False], ids=["rollout-keeps-every-refit", "rollout-drops-each-refit"])
+ROLLOUTS = {  # rollout -> (its worker service, None for the default; whether it keeps each refit)
+    "rollout-keeps-every-refit": ("tests.helpers.keeping_worker:KeepingWorker", True),
+    "rollout-drops-each-refit": (None, False),
+    "rollout-drops-and-releases-its-pool": ("tests.helpers.keeping_worker:ReleasingWorker", False),
+}
+
+
+@pytest.mark.parametrize("rollout", list(ROLLOUTS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_tensors_of_handed_over_buckets_stay_as_they_arrived_through_later_refits(case: str, keep: bool) -> None:
-    """Each slot hands over while the memory it gave away before is back (at the start, and
-    for a rollout that drops each refit's tensors, its first bucket of every refit); a rollout
-    that keeps them gets later buckets copied out, its memory never reused under it."""
+def test_tensors_of_handed_over_buckets_stay_as_they_arrived_through_later_refits(case: str, rollout: str) -> None:
+    """Each slot hands over unless the memory it gave away before is still held: at the start,
+    and for a rollout that drops each refit's tensors, its first bucket of every refit, whether
+    that memory waits in the pool or the rollout handed the pool back; a rollout that keeps them
+    gets later buckets copied out, its memory never reused under it."""
     backend, options, hands_over = CASES[case]
+    service, keep = ROLLOUTS[rollout]
     specs, labels = refit_worker_specs(
         backend=backend,
         num_policy=2 if options.get("topology") == "paired" else 1,
@@ -39,9 +48,9 @@ def test_tensors_of_handed_over_buckets_stay_as_they_arrived_through_later_refit
         weights="tests.helpers.keeping_worker:small_weights",
         weights_params=PARAMS,
     )
-    if keep:
+    if service is not None:
         for spec in specs:
-            spec["service"] = "tests.helpers.keeping_worker:KeepingWorker"
+            spec["service"] = service
     num_policy = len(specs) - 2
     with LocalProcessPool(specs, labels=labels) as pool:
         coordinator = RefitCoordinator(

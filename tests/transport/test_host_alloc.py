@@ -21,7 +21,6 @@ from ckpt_core._internal.host_alloc import (
     release_host_pool,
     release_pages_past,
     slot_memory,
-    slot_memory_back,
 )
 
 
@@ -226,23 +225,38 @@ def test_pages_past_what_a_buffer_holds_go_back_and_the_rest_stays() -> None:
 
 def test_a_slot_takes_back_the_memory_it_gave_away_before_any_freed_later() -> None:
     nbytes = 3 * HUGE_PAGE_THRESHOLD
-    first, first_key = slot_memory(nbytes)
-    second, second_key = slot_memory(nbytes)
-    addresses = {first_key: first.data_ptr(), second_key: second.data_ptr()}
+    first = slot_memory(nbytes)
+    second = slot_memory(nbytes)
+    assert first is not None and second is not None
+    first_key, address = first[1], first[0].data_ptr()
     del first, second  # the second freed last: taken first without a preference
     gc.collect()
-    again, key = slot_memory(nbytes, prefer=first_key)
-    assert key == first_key and again.data_ptr() == addresses[first_key]
-    other, other_key = slot_memory(nbytes, prefer=first_key)  # taken already: another block
-    assert other_key != first_key and other.data_ptr() != again.data_ptr()
+    again = slot_memory(nbytes, first_key)
+    assert again is not None and again[0].data_ptr() == address
+    other = slot_memory(nbytes)  # the other freed block, not the one taken again
+    assert other is not None and other[0].data_ptr() != address
 
 
-def test_slot_memory_is_back_once_every_tensor_on_it_is_freed() -> None:
-    memory, key = slot_memory(3 * HUGE_PAGE_THRESHOLD)
+def test_a_slot_takes_no_memory_while_what_it_gave_away_before_is_held() -> None:
+    given = slot_memory(3 * HUGE_PAGE_THRESHOLD)
+    assert given is not None
+    memory, key = given
     view = memory[5:]
-    del memory
+    del memory, given
     gc.collect()
-    assert not slot_memory_back(key)  # a view still holds it
+    assert key.held and slot_memory(3 * HUGE_PAGE_THRESHOLD, key) is None  # a view still holds it
     del view
     gc.collect()
-    assert slot_memory_back(key)
+    assert not key.held and slot_memory(3 * HUGE_PAGE_THRESHOLD, key) is not None
+
+
+def test_memory_freed_and_gone_from_the_pool_does_not_stop_a_slot() -> None:
+    """A process that hands the pool back after each refit (``release_host_memory()``) still
+    gets new slot memory: only memory still held refuses it."""
+    given = slot_memory(3 * HUGE_PAGE_THRESHOLD)
+    assert given is not None
+    key = given[1]
+    del given
+    gc.collect()
+    release_host_pool()  # what release_host_memory() does
+    assert slot_memory(3 * HUGE_PAGE_THRESHOLD, key) is not None
