@@ -326,44 +326,51 @@ def patch(
     if leaves and bool((firsts[1:] < firsts[:-1]).any()):  # unsorted: the parts would not cover every entry
         raise ValueError(f"the patch's {count} positions do not ascend")
 
-    def part(index: int) -> tuple[int, int, np.ndarray]:
-        """Patches one part's leaves, hashing or following their words; returns its entries'
-        range as written (its end short of the part's where an entry was bad) and its digest
-        terms by class: its leaves', or the changes the patch made to them."""
-        lo_leaf, hi_leaf = leaves * index // parts, leaves * (index + 1) // parts
-        lo, written = int(firsts[lo_leaf]), int(firsts[lo_leaf])
+    claims = Claims(leaves)  # each part patches the next leaf no part has taken
+    failed: list[int] = []  # the first bad entry each part met (a part that meets one stops the rest)
+
+    def part(index: int) -> tuple[list[tuple[int, int]], np.ndarray]:
+        """Patches the leaves it claims, hashing or following their words; returns the ranges
+        of entries it wrote (the last short of its leaf's end where an entry was bad) and its
+        digest terms by class: its leaves', or the changes the patch made to them."""
+        ranges: list[tuple[int, int]] = []
         sums = np.zeros(AUDIT_CLASSES if words is not None else 0, dtype=np.uint64)
-        if incremental:
-            assert words is not None
-            bad = compiled.write_patch_followed(
-                held, words, positions, values, saved, firsts[lo_leaf : hi_leaf + 1], lo_leaf, width, sums
-            )
-            return lo, int(firsts[hi_leaf]) if bad < 0 else bad, sums
-        for number in range(lo_leaf, hi_leaf):
-            hi = int(firsts[number + 1])
-            if hi > written:
-                after = int(positions[written - 1]) if written else -1
-                bad = compiled.write_patch(
-                    held, positions[written:hi], values[written:hi], saved[written:hi] if keep else saved, after
+        for number in claims:
+            if failed:
+                break
+            lo, hi = int(firsts[number]), int(firsts[number + 1])
+            if incremental:
+                assert words is not None
+                bad = compiled.write_patch_followed(
+                    held, words, positions, values, saved, firsts[number : number + 2], number, width, sums
                 )
-                if bad >= 0:
-                    return lo, written + bad, sums
-                written = hi
-            if words is not None:
+            elif hi > lo:
+                after = int(positions[lo - 1]) if lo else -1
+                bad = compiled.write_patch(
+                    held, positions[lo:hi], values[lo:hi], saved[lo:hi] if keep else saved, after
+                )
+                bad = bad if bad < 0 else lo + bad
+            else:
+                bad = -1
+            if bad >= 0:
+                ranges.append((lo, bad))
+                failed.append(bad)
+                break
+            ranges.append((lo, hi))
+            if words is not None and not incremental:
                 first = number * leaf * width // 8
                 stop = min(size, (number + 1) * leaf) * width // 8
                 at = number % AUDIT_CLASSES
                 sums[at : at + 1] += np.uint64(compiled.word_sum(words[first:stop], first))  # an array's sum wraps
-        return lo, written, sums
+        return ranges, sums
 
-    results = run_parts(part, parts) if leaves else [(0, 0, np.zeros(AUDIT_CLASSES, dtype=np.uint64))]
-    ends = [int(firsts[leaves * (index + 1) // parts]) for index in range(len(results))]
-    bad = [written for (_, written, _), end in zip(results, ends) if written != end]
-    if bad or (not leaves and count):
-        first = min(bad, default=0)
+    results = run_parts(part, parts) if leaves else [([], np.zeros(AUDIT_CLASSES, dtype=np.uint64))]
+    if failed or (not leaves and count):
+        first = min(failed, default=0)
         if keep:
-            for lo, written, _ in results:
-                compiled.scatter(held, positions[lo:written], saved[lo:written])
+            for ranges, _ in results:
+                for lo, written in ranges:
+                    compiled.scatter(held, positions[lo:written], saved[lo:written])
         raise ValueError(
             f"patch entry {first} holds position {int(positions[first])}: positions must ascend strictly, within "
             f"the {size} elements"
@@ -371,7 +378,7 @@ def patch(
     digest_value, after_terms = None, None
     if words is not None:
         after_terms = terms.copy() if incremental and terms is not None else np.zeros(AUDIT_CLASSES, dtype=np.uint64)
-        for _, _, sums in results:
+        for _, sums in results:
             after_terms += sums  # uint64: wraps, mod 2**64 as the digest is
         digest_value = (_sum(after_terms) + _tail_term(held) + _length_term(size * width)) & _MASK
     elif with_digest:

@@ -327,11 +327,28 @@ def test_unaligned_versions_whose_words_do_not_line_up_are_compared_element_by_e
     assert patch.positions.tolist() == expected.tolist()
 
 
-def test_positions_out_of_order_are_refused_and_change_nothing() -> None:
+SPREAD = list(range(0, 99, 3))  # 33 positions, ascending, over every leaf of 16 elements
+OUT_OF_ORDER = [
+    [5, 3],
+    [5, 5],
+    [-1, 2],
+    [4, 100],
+    SPREAD[:20] + [SPREAD[19]] + SPREAD[21:],  # a repeat in the fourth leaf
+    SPREAD[:11] + [29] + SPREAD[12:],  # 29 after 30
+    SPREAD[:-1] + [100],  # the last out of range
+]
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "tiny parts"])
+def test_positions_out_of_order_are_refused_and_change_nothing(chunked: bool, request: pytest.FixtureRequest) -> None:
+    """Found wherever they are, in whichever leaf and part; everything written before the
+    refusal, in every part, is put back."""
+    if chunked:
+        request.getfixturevalue("tiny_parts")
     held = torch.arange(100, dtype=torch.float32)
     kept = held.clone()
-    for positions in ([5, 3], [5, 5], [-1, 2], [4, 100]):
-        patch = Patch(torch.tensor(positions, dtype=torch.int32), torch.full((2,), 7.0), numel=100)
+    for positions in OUT_OF_ORDER:
+        patch = Patch(torch.tensor(positions, dtype=torch.int32), torch.full((len(positions),), 7.0), numel=100)
         with pytest.raises(DeltaError, match="w: the patch holds positions"):
             apply_and_digest(held, patch, name="w")
         assert torch.equal(held, kept), positions
