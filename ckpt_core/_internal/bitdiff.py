@@ -2,8 +2,9 @@
 
 :mod:`ckpt_core.refit.delta` views a host tensor's elements as integers of their width and hands
 them here as 1-D numpy arrays. Each function reads or writes every byte it must once, in
-parallel parts over the usable cores (:mod:`ckpt_core._internal.parallel`), with loops compiled
-by numba (:mod:`ckpt_core._internal.bitdiff_kernels`, imported on first use):
+parallel parts over the usable cores (:mod:`ckpt_core._internal.parallel`; :func:`find` and
+:func:`patch` parts claim leaves one at a time, so a part slowed by a shared core does fewer),
+with loops compiled by numba (:mod:`ckpt_core._internal.bitdiff_kernels`, imported on first use):
 
 * :func:`find`: the elements whose bits differ between two versions, laid out as a patch's
   wire form, and the new version's digest: from the old version's digest, in time that
