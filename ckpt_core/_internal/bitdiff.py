@@ -245,9 +245,10 @@ def find(
     values = blob[values_at:].view(new.dtype)
     saved = np.empty(total if update else 0, dtype=new.dtype)
     # The parts' leaves go into the patch in leaf order, each part copying its own at once.
+    claimed = sorted((number, index, first, end) for index, r in enumerate(results) for number, first, end in r.leaves)
     moves: list[list[tuple[int, int, int]]] = [[] for _ in results]  # per part: (first, end, to)
     at = 0
-    for _, index, first, end in sorted((n, i, a, b) for i, r in enumerate(results) for n, a, b in r.leaves):
+    for _, index, first, end in claimed:
         moves[index].append((first, end, at))
         at += end - first
 
