@@ -2,9 +2,9 @@
 
 :mod:`ckpt_core.refit.delta` views a host tensor's elements as integers of their width and hands
 them here as 1-D numpy arrays. Each function reads or writes every byte it must once, in
-parallel parts over the usable cores (:mod:`ckpt_core._internal.parallel`; :func:`find` and
-:func:`patch` parts claim leaves one at a time, so a part slowed by a shared core does fewer),
-with loops compiled by numba (:mod:`ckpt_core._internal.bitdiff_kernels`, imported on first use):
+parallel parts over the usable cores (:mod:`ckpt_core._internal.parallel`; the parts claim
+leaves one at a time, so a part slowed by a shared core does fewer), with loops compiled by
+numba (:mod:`ckpt_core._internal.bitdiff_kernels`, imported on first use):
 
 * :func:`find`: the elements whose bits differ between two versions, laid out as a patch's
   wire form, and the new version's digest: from the old version's digest, in time that
@@ -400,10 +400,11 @@ def class_terms(elements: np.ndarray, number: int) -> int:
     leaves = list(range(number, -(-words.shape[0] // leaf_words), AUDIT_CLASSES))
     parts = _parts(len(leaves) * LEAF_BYTES, len(leaves))
     compiled = kernels()
+    claims = Claims(len(leaves))
 
     def part(index: int) -> int:
         total = 0
-        for leaf in leaves[len(leaves) * index // parts : len(leaves) * (index + 1) // parts]:
+        for leaf in (leaves[claimed] for claimed in claims):
             first = leaf * leaf_words
             total += int(compiled.word_sum(words[first : first + leaf_words], first))
         return total
@@ -485,11 +486,12 @@ def digest(data: np.ndarray) -> int:
     leaves = -(-count // leaf_words)
     parts = _parts(size, leaves)
     compiled = kernels()
+    claims = Claims(leaves)
 
     def part(index: int) -> int:
         terms = 0
         bounce = np.empty(leaf_words if words is None else 0, dtype=np.uint64)
-        for number in range(leaves * index // parts, leaves * (index + 1) // parts):
+        for number in claims:
             first, stop = number * leaf_words, min(count, (number + 1) * leaf_words)
             if words is not None:
                 chunk = words[first:stop]
