@@ -1,10 +1,13 @@
 """One rank of the 2-rank save/load check in test_two_ranks.py (run as a script).
 
-Usage: python _two_rank_worker.py RANK PORT OUT_DIR. Writes OUT_DIR/rank{RANK}.json.
+Usage: python _two_rank_worker.py RANK OUT_DIR. Writes OUT_DIR/rank{RANK}.json. The ranks meet
+through a file in OUT_DIR (no port to race other tests for), and the group's timeout ends a
+rank whose peer is gone well before the test's own deadline.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import sys
 import time
@@ -51,8 +54,13 @@ class SlowTokenizer:
         (Path(directory) / "tokenizer.json").write_text("{}")
 
 
-def main(rank: int, port: int, out: Path) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+GROUP_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def main(rank: int, out: Path) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{out / 'rendezvous'}", rank=rank, world_size=2, timeout=GROUP_TIMEOUT
+    )
     try:
         mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
         reference = build_llama(seed=0).state_dict()
@@ -97,4 +105,4 @@ def main(rank: int, port: int, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
+    main(int(sys.argv[1]), Path(sys.argv[2]))

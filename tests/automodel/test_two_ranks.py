@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,43 +25,53 @@ REPO_ROOT = HERE.parents[1]
 TIMEOUT_S = 240
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("two-ranks")
-    port = _free_port()
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
         "OMP_NUM_THREADS": "1",  # two ranks share the CPU cores
     }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(HERE / "_two_rank_worker.py"), str(rank), str(port), str(out)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for rank in (0, 1)
-    ]
-    logs = []
+    logs = [out / f"rank{rank}.log" for rank in (0, 1)]
+    procs = []
+    for rank, log in enumerate(logs):
+        with log.open("w") as sink:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(HERE / "_two_rank_worker.py"), str(rank), str(out)],
+                    env=env,
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                )  # fmt: skip
+            )
     try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=TIMEOUT_S)[0])
+        finished = _wait_all(procs, TIMEOUT_S)
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    for proc, log in zip(procs, logs):
-        assert proc.returncode == 0, log[-4000:]
+    assert finished, f"the ranks did not finish within {TIMEOUT_S} s:\n{_tail(logs)}"
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{_tail(logs)}"
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> bool:
+    """Whether every rank exited, or one failed (its peer would wait for it until the group's
+    timeout), before ``timeout_s`` passed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        codes = [proc.poll() for proc in procs]
+        if all(code == 0 for code in codes) or any(code not in (None, 0) for code in codes):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _tail(logs: list[Path]) -> str:
+    return "\n".join(f"--- {log.name} ---\n{log.read_text()[-3000:]}" for log in logs)
 
 
 def test_each_rank_has_its_dp_rank(results: list[dict]) -> None:

@@ -19,10 +19,11 @@ TIMEOUT_S = 30.0
 
 
 def run(rank: int, port: int, broadcast: bool, results: Any) -> None:
-    """Rank 0 sends three buckets (slots 0, 1, then 0 again, filled with 1s, 2s and 3s);
-    rank 1 receives them and puts what it saw, step by step, on ``results``."""
+    """Both ranks join the test's store on ``port``. Rank 0 sends three buckets (slots 0, 1,
+    then 0 again, filled with 1s, 2s and 3s); rank 1 receives them and puts what it saw, step
+    by step, on ``results``."""
     try:
-        store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, datetime.timedelta(seconds=TIMEOUT_S))
+        store = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=TIMEOUT_S))
         group = gloo_group(store, rank, 2, host="127.0.0.1", timeout=datetime.timedelta(seconds=TIMEOUT_S))
         link = Link(group, group, rank=rank, size=2, broadcast=broadcast, peer=f"rank {1 - rank}")
         if rank == 0:

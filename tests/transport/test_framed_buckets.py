@@ -4,17 +4,20 @@ processes, a real Gloo pair, the transport's calls made by hand (tests/helpers/g
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing
-import socket
 from typing import Any
+
+import torch.distributed as dist
 
 from tests.helpers import gloo_pair
 
 
 def _exchange(broadcast: bool) -> dict[str, Any]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    # The pair's store lives here, on a port it binds itself: a port probed free and bound
+    # later by a worker can be taken in between by another test process.
+    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False)
+    port = store.port
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     workers = [context.Process(target=gloo_pair.run, args=(rank, port, broadcast, results)) for rank in (0, 1)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import socket
+import datetime
 from typing import Any
 
 import torch.distributed as dist
@@ -13,10 +13,9 @@ from ckpt_core.orchestration.worker import RefitWorker
 class DefaultGroupWorker(RefitWorker):
     def __init__(self, *, with_default_group: bool, **kwargs: Any) -> None:
         if with_default_group:
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                port = probe.getsockname()[1]
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+            # A store on a port it binds itself: no window for another process to take it.
+            store = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=60))
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
             self._world = dist.group.WORLD
         super().__init__(**kwargs)
 
