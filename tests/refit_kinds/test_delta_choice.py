@@ -5,6 +5,7 @@ report it, bit for bit at every changed fraction."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 from ckpt_core.refit.delta import compare, sample_changes, take_sample
 from ckpt_core.refit.delta.baselines import DeltaReceiver, DeltaSender
-from ckpt_core.refit.delta.choice import MIN_EVIDENCE_BYTES, CostModel, RefitCosts
+from ckpt_core.refit.delta.choice import MIN_EVIDENCE_BYTES, SURPRISE, CostModel, RefitCosts
 from ckpt_core.stats import RefitStats
 from ckpt_core.testing.in_process import connected_pair, run_refit
 
@@ -86,6 +87,28 @@ def test_before_any_untracked_refit_a_patch_near_the_tracked_bound_is_released_t
     assert model.retracks(GB, GB // 2, 0.01)  # 0.2 s <= 0.24 s
     model.add(RefitCosts(0.18, 0, GB, 0, 0))  # measured: 0.18 s/GB untracked, under the patch
     assert not model.retracks(GB, GB // 2, 0.01) and model.releases(GB, GB // 2, 0.01)
+
+
+def test_one_slow_refit_moves_the_fit_by_at_most_the_surprise_and_a_lasting_change_is_learnt() -> None:
+    """Patches of 2.5% (0.275 s, whole 0.3 s) in a steady run; one refit of them at twice that
+    (the host busy for a moment) is learnt as 1.25x, so the weight stays tracked, before and
+    after a normal refit; the same slowness twice in a row is a change, and is learnt."""
+    changed = int(0.5e9 * 0.025)
+    patch = RefitCosts(0.15 + 10e-9 * changed, 0, 0, GB, changed)
+    model = fitted(whole_s_per_gb=0.3)
+    for _ in range(4):
+        model.add(patch)
+    before = model.patch_share(GB, GB // 2, 0.025)
+    assert before is not None and before < 1
+    slow = dataclasses.replace(patch, seconds=2 * patch.seconds)
+    model.add(slow)
+    after = model.patch_share(GB, GB // 2, 0.025)
+    assert after is not None and before < after <= SURPRISE * before and not model.releases(GB, GB // 2, 0.025)
+    model.add(patch)
+    assert not model.releases(GB, GB // 2, 0.025)
+    model.add(slow)
+    model.add(slow)
+    assert model.releases(GB, GB // 2, 0.025)
 
 
 def test_each_kind_is_learnt_from_its_own_refits_and_not_forgotten() -> None:

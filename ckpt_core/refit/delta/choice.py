@@ -21,18 +21,31 @@ between the two: a tracked weight whose fraction makes its patch predicted slowe
 weight is released (at the refit's manifest: the receiver frees its copy before the weights
 arrive) and watched; a watched weight whose patch is predicted to take at most
 :data:`RETRACK` of its whole time is tracked again (sent whole, both sides keep a copy) and
-compared from the next refit on. Until the model has evidence (:data:`MIN_EVIDENCE_BYTES` sent
-each way), the choice is by bytes alone: a patch wherever one is fewer bytes.
+compared from the next refit on. A refit far slower than the model predicted is learnt from as
+at most :data:`SURPRISE` times the prediction, unless it repeats: one refit slowed by its host
+moves the choices only near the break-even. Until the model has evidence
+(:data:`MIN_EVIDENCE_BYTES` sent each way), the choice is by bytes alone: a patch wherever one
+is fewer bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import torch
 
-__all__ = ["CostModel", "DECAY", "EXPLORE", "MIN_EVIDENCE_BYTES", "RETRACK", "RefitCosts", "WeightHistory"]
+__all__ = [
+    "CostModel",
+    "DECAY",
+    "EXPLORE",
+    "MIN_EVIDENCE_BYTES",
+    "RETRACK",
+    "SURPRISE",
+    "RefitCosts",
+    "WeightHistory",
+]
 
 MIN_EVIDENCE_BYTES = 64 << 20
 """The bytes a refit stream must have sent each way before its model decides."""
@@ -50,6 +63,14 @@ RETRACK = 0.8
 """A watched weight is tracked again where its patch is predicted to take at most this share
 of its whole time: the margin keeps a weight near the break-even from moving (and being copied)
 at every refit."""
+
+SURPRISE = 1.25
+"""A refit that takes longer than this share of what the model predicts for it is learnt from as
+if it had taken that long, unless the refit learnt from before it took longer too. One refit
+slowed by its host (a shared machine's other work; 1.5x and more was seen here) would otherwise
+move the fit by a third of its excess for the next refits, enough to release weights whose
+patches pay, which a whole weight's refits do not teach back; a lasting change is learnt from
+its second refit on."""
 
 _GB = 1e9
 # The kinds of bytes a refit pays for once per copy (freeing it; its first patch, which hashes it
@@ -130,10 +151,13 @@ class CostModel:
         # The patched fit of the refits added so far, solved once for all the choices of the
         # next refit (a solve costs more than the rest of a weight's choice): (fit,) or None.
         self._fitted: tuple[np.ndarray | None] | None = None
+        self._surprised = False  # the last refit learnt from took longer than SURPRISE allows
 
     def add(self, refit: RefitCosts) -> None:
         """One refit's measurement: it teaches the part of the kind it sent most bytes of (a
-        refit mostly of copies freed or patched for the first time teaches nothing)."""
+        refit mostly of copies freed or patched for the first time teaches nothing), as at most
+        :data:`SURPRISE` times what the model predicts for it unless the refit learnt from
+        before it took longer than that too."""
         parts = {
             "untracked": refit.untracked_bytes - refit.released_bytes,
             "tracked": refit.tracked_bytes,
@@ -144,10 +168,13 @@ class CostModel:
         kind = max(parts, key=lambda key: parts[key])
         if refit.seconds <= 0 or parts[kind] == 0 or kind in _ONE_TIME:  # not what a steady refit pays
             return
-        others = refit.seconds - sum(
-            self._predicted(key, refit) for key in ("untracked", "tracked", "patched") if key != kind
-        )
-        seconds = max(0.0, others)
+        predicted = {key: self._predicted(key, refit) for key in ("untracked", "tracked", "patched")}
+        seconds, expected = refit.seconds, sum(predicted.values())
+        surprising = predicted[kind] > 0 and seconds > SURPRISE * expected
+        if surprising and not self._surprised:  # learnt as the most the fit allows, until it repeats
+            seconds = SURPRISE * expected
+        self._surprised = surprising
+        seconds = max(0.0, seconds - sum(part for key, part in predicted.items() if key != kind))
         if kind == "patched":
             x = np.array([refit.patched_bytes, refit.changed_elements]) / _GB
             self._gram = DECAY * self._gram + np.outer(x, x)
@@ -207,8 +234,17 @@ class CostModel:
         changed at its last comparison, is to be released and watched: predicted to take no
         longer whole (:meth:`_whole_seconds`) than as a patch (``False`` until both are known:
         the choice is then by bytes)."""
+        share = self.patch_share(nbytes, numel, fraction)
+        return share is not None and share >= 1
+
+    def patch_share(self, nbytes: int, numel: int, fraction: float) -> float | None:
+        """The time a patch of such a weight is predicted to take, as a share of its whole time
+        (:meth:`_whole_seconds`; ``math.inf`` where whole weights cost nothing measurable,
+        ``None`` until both are known)."""
         patch, whole = self._patch_seconds(nbytes, numel, fraction), self._whole_seconds(nbytes)
-        return patch is not None and whole is not None and bool(whole <= patch)
+        if patch is None or whole is None:
+            return None
+        return patch / whole if whole > 0 else math.inf
 
     def retracks(self, nbytes: int, numel: int, fraction: float) -> bool:
         """Whether a watched weight whose patch would be fewer bytes (``fraction`` of it changed
