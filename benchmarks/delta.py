@@ -7,9 +7,9 @@ Four measurements (issue 50, points 1 and 2; the workload from issue 34):
   weights and AdamW on random data at each learning rate of ``--lrs``, and cast to bf16 after
   each step; the fraction of bf16 elements whose bits changed from the step before is reported.
 * **kernels**: on ``--kernel-size`` of bf16 (1% changed), in this process with torch's threads
-  (every core by default), in 9 rounds that each time every pass once, in turn, each 20 ms
-  after the one before (medians; each ratio the median of its rounds' ratios): a copy of the
-  tensor into warm memory (the memcpy); the sender's diff
+  (every core by default), in 9 rounds that each time every pass once, in turn, each
+  ``PASS_PAUSE`` after the one before (medians; each ratio the median of its rounds' ratios): a
+  copy of the tensor into warm memory (the memcpy); the sender's diff
   (:func:`ckpt_core.refit.delta.compare`: compare, lay the patch out, patch the baseline in
   place and make the new version's digest from the baseline's, one pass); the receiver's apply
   (decode the patch, patch its copy and hash it, one pass). Goal: each at least 0.6x the
