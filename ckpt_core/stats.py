@@ -65,6 +65,9 @@ class RefitStats:
     """Delta refits, sender: of ``untracked_tensors``, those the choice sent whole: no patch of
     them can be fewer bytes, or theirs was found no fewer bytes or predicted slower than the
     whole weight (by the costs below), or they rest since it was (ckpt_core.refit.delta.choice)."""
+    rechecked_tensors: int = 0
+    """Delta refits, sender: of ``whole_tensors``, those tracked again although their patches
+    were not predicted to pay, to measure them anew (a recheck: ckpt_core.refit.delta.choice)."""
     delta_seconds: float = 0.0
     """Delta refits: the sender's time comparing weights with its copies (patching them and
     hashing the new weights in the same pass); the receiver's, patching and checking."""

@@ -13,20 +13,28 @@ import torch
 
 from ckpt_core.refit.delta import compare, sample_changes, take_sample
 from ckpt_core.refit.delta.baselines import DeltaReceiver, DeltaSender
-from ckpt_core.refit.delta.choice import MIN_EVIDENCE_BYTES, SURPRISE, CostModel, RefitCosts
+from ckpt_core.refit.delta.choice import (
+    MIN_EVIDENCE_BYTES,
+    RECHECK_AFTER,
+    RECHECK_AFTER_MAX,
+    SURPRISE,
+    CostModel,
+    RefitCosts,
+)
 from ckpt_core.stats import RefitStats
 from ckpt_core.testing.in_process import connected_pair, run_refit
 
 GB = 10**9
 
 
-def fitted(*, whole_s_per_gb: float | None, tracked_s_per_gb: float | None = None) -> CostModel:
+def fitted(*, whole_s_per_gb: float | None, tracked_s_per_gb: float | None = None, slower: float = 1.0) -> CostModel:
     """A model fed refits of 1 GB of bf16 (0.5 G elements): patches costing 0.15 s/GB plus
-    10 ns per changed element, at 0.1% and 1% changed; and whole refits at the given costs."""
+    10 ns per changed element (times ``slower``), at 0.1% and 1% changed; and whole refits at
+    the given costs."""
     model = CostModel()
     for fraction in (0.001, 0.01, 0.001, 0.01):
         changed = int(0.5e9 * fraction)
-        model.add(RefitCosts(0.15 + 10e-9 * changed, 0, 0, GB, changed))
+        model.add(RefitCosts(slower * (0.15 + 10e-9 * changed), 0, 0, GB, changed))
     if tracked_s_per_gb is not None:
         model.add(RefitCosts(tracked_s_per_gb, GB, 0, 0, 0))
     if whole_s_per_gb is not None:
@@ -109,6 +117,67 @@ def test_one_slow_refit_moves_the_fit_by_at_most_the_surprise_and_a_lasting_chan
     model.add(slow)
     model.add(slow)
     assert model.releases(GB, GB // 2, 0.025)
+
+
+def whole_refits(model: CostModel, count: int) -> None:
+    """``count`` refits of 1 GB sent whole and untracked, at 0.3 s/GB."""
+    for _ in range(count):
+        model.add(RefitCosts(0.3, 0, GB, 0, 0))
+
+
+def test_a_slow_spell_that_released_a_weight_is_undone_by_a_recheck() -> None:
+    """Steady patches of 2.5% (0.275 s against 0.3 s whole), then a slow spell of three refits
+    of them at 1.5x (the first learnt as 1.25x): the weight is released, and refits of whole
+    weights teach the patched part nothing. After RECHECK_AFTER of them, the recheck tracks
+    again the weight at 2.5% (within 1.5x) but not one at 10%, spares it through the copy and
+    the first patch, and the patch then learnt at its steady time is learnt afresh: the
+    weight stays tracked. Without the ageing, that one refit would weigh against the slow
+    spell's three and release it again."""
+    changed = int(0.5e9 * 0.025)
+    steady = RefitCosts(0.15 + 10e-9 * changed, 0, 0, GB, changed)
+    model = fitted(whole_s_per_gb=0.3)
+    for seconds in [steady.seconds] * 4 + [1.5 * steady.seconds] * 3:
+        model.add(dataclasses.replace(steady, seconds=seconds))
+    assert model.releases(GB, GB // 2, 0.025) and not model.retracks(GB, GB // 2, 0.025)
+    whole_refits(model, RECHECK_AFTER - 1)
+    assert not model.rechecks(GB, GB // 2, 0.025)
+    whole_refits(model, 1)
+    assert model.rechecks(GB, GB // 2, 0.025) and not model.rechecks(GB, GB // 2, 0.1)
+    model.add(RefitCosts(0.4, GB, 0, 0, 0))  # the copy: the weight is tracked again
+    assert not model.rechecks(GB, GB // 2, 0.025)  # the recheck tracks weights in its first refit only
+    assert not model.releases(GB, GB // 2, 0.025) and model.releases(GB, GB // 2, 0.1)
+    model.add(RefitCosts(0.9, 0, 0, GB, changed, first_patched_bytes=GB))  # the first patch: not learnt
+    assert not model.releases(GB, GB // 2, 0.025)
+    model.add(steady)
+    share = model.patch_share(GB, GB // 2, 0.025)
+    assert share is not None and share < 1 and not model.releases(GB, GB // 2, 0.025)
+    model.add(steady)  # patches pay again, of their own accord: a later staleness waits RECHECK_AFTER
+    whole_refits(model, RECHECK_AFTER)
+    assert model.rechecks(GB, GB // 2, 0.025)
+
+
+def test_a_recheck_that_finds_patches_still_slow_doubles_the_wait_for_the_next() -> None:
+    """Where patches really are slower (1.5x, learnt again by each recheck), the weight is
+    released after each recheck, and rechecks come after 16, 32, 64, ... refits, at most
+    RECHECK_AFTER_MAX apart."""
+    model = fitted(whole_s_per_gb=0.3, slower=1.5)
+    changed = int(0.5e9 * 0.025)
+    waits: list[int] = []
+    wait = 1  # the model's own whole refit is the first of the first wait
+    for _ in range(4 * RECHECK_AFTER_MAX):
+        if len(waits) == 6:
+            break
+        whole_refits(model, 1)
+        wait += 1
+        if not model.rechecks(GB, GB // 2, 0.025):
+            continue
+        waits.append(wait)
+        model.add(RefitCosts(0.4, GB, 0, 0, 0))
+        model.add(RefitCosts(0.9, 0, 0, GB, changed, first_patched_bytes=GB))
+        model.add(RefitCosts(1.5 * (0.15 + 10e-9 * changed), 0, 0, GB, changed))
+        assert model.releases(GB, GB // 2, 0.025)
+        wait = 0
+    assert waits == [RECHECK_AFTER, 2 * RECHECK_AFTER, 4 * RECHECK_AFTER, 8 * RECHECK_AFTER] + [RECHECK_AFTER_MAX] * 2
 
 
 def test_each_kind_is_learnt_from_its_own_refits_and_not_forgotten() -> None:
@@ -226,6 +295,47 @@ def test_released_weights_leave_both_baselines_at_the_manifest_and_come_back_whe
             "tracked again": (0, 3, 0, 0),
         }.get(expected, (3, 0, 0, 0)), (expected, stats)
         assert (got.patched_tensors, got.whole_tensors, got.untracked_tensors) == counts[:3]
+
+
+def test_a_sender_tracks_released_weights_again_for_a_recheck_and_reports_them() -> None:
+    """Through a sender and a receiver, weights changing 2.5% at each refit: its model learnt
+    patches of them slower than whole weights in a slow spell, so the second refit of patches
+    releases them; after RECHECK_AFTER refits of whole weights (fed to its model), its recheck
+    tracks them again (``rechecked_tensors``), keeps them through the copy and the first patch,
+    and, the patch then learnt at its steady time, patches them from then on. Bit for bit."""
+    generator = torch.Generator().manual_seed(6)
+    sender, receiver = DeltaSender(destination="rollout 0"), DeltaReceiver(source="policy 0")
+    changed = int(0.5e9 * 0.025)
+    steady = RefitCosts(0.15 + 10e-9 * changed, 0, 0, GB, changed)
+    sender.costs = fitted(whole_s_per_gb=0.3)
+    for seconds in [steady.seconds] * 4 + [1.5 * steady.seconds] * 3:
+        sender.costs.add(dataclasses.replace(steady, seconds=seconds))
+    weights = bf16_model(generator)
+    lessons = {  # what the model learns after each refit, as the refit's time would teach it
+        "released": [RefitCosts(0.3, 0, GB, 0, 0)] * RECHECK_AFTER,
+        "rechecked": [RefitCosts(0.4, GB, 0, 0, 0)],
+        "first patches": [RefitCosts(0.9, 0, 0, GB, changed, first_patched_bytes=GB)],
+        "spared": [steady],
+    }
+    steps = ["whole", "patched", "released", "rechecked", "first patches", "spared", "patched"]
+    for step in steps:
+        if step != "whole":
+            weights = flipped(weights, 0.025, generator)
+        stats = RefitStats()
+        received = {n: t.clone() for n, t in receiver.decode(sender.encode(iter(weights.items()), stats), RefitStats())}
+        sender.commit()
+        receiver.commit()
+        for lesson in lessons.get(step, []):
+            sender.costs.add(lesson)
+        assert list(received) == list(weights) and all(
+            torch.equal(bits(received[n]), bits(weights[n])) for n in weights
+        )
+        counts = (stats.patched_tensors, stats.whole_tensors, stats.untracked_tensors, stats.rechecked_tensors)
+        assert counts == {
+            "whole": (0, 3, 0, 0),
+            "released": (0, 0, 3, 0),
+            "rechecked": (0, 3, 0, 3),
+        }.get(step, (3, 0, 0, 0)), (step, stats)
 
 
 def test_the_sender_does_not_learn_from_the_first_patch_of_its_copies() -> None:

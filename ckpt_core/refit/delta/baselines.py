@@ -267,7 +267,7 @@ class DeltaSender:
                 yield pending.untracked(name, tensor, stats, chosen=True, released=True)
                 continue
             if old is None or not _comparable(old, tensor):
-                if history.watched and self._stays_watched(name, tensor, history):
+                if history.watched and self._stays_watched(name, tensor, history, stats):
                     yield pending.untracked(name, tensor, stats, chosen=True)
                     continue
                 history.fraction, history.sample = None, None  # new, reshaped, or tracked again
@@ -305,9 +305,10 @@ class DeltaSender:
             return False
         return self.costs.releases(held.numel() * held.element_size(), held.numel(), history.fraction)
 
-    def _stays_watched(self, name: str, tensor: torch.Tensor, history: WeightHistory) -> bool:
+    def _stays_watched(self, name: str, tensor: torch.Tensor, history: WeightHistory, stats: RefitStats) -> bool:
         """Measure a watched weight's changes since the last refit on its sample (refreshing
-        it); whether it stays watched (the model does not predict its patch to pay)."""
+        it); whether it stays watched: the model neither predicts its patch to pay nor
+        rechecks it (counted into ``stats``)."""
         assert history.sample is not None
         if not fits_sample(history.sample, tensor):  # reshaped while watched: a new weight
             return False
@@ -319,7 +320,13 @@ class DeltaSender:
         history.fraction = changed / max(1, compared)
         if changed > most_changed(tensor) * compared / tensor.numel():  # no patch would be fewer bytes
             return True
-        return not self.costs.retracks(tensor.numel() * tensor.element_size(), tensor.numel(), history.fraction)
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.costs.retracks(nbytes, tensor.numel(), history.fraction):
+            return False
+        if self.costs.rechecks(nbytes, tensor.numel(), history.fraction):
+            stats.rechecked_tensors += 1
+            return False
+        return True
 
     def _report_model(self, stats: RefitStats) -> None:
         """The costs this refit's choices are made with, into ``stats`` (none yet: zeros)."""

@@ -26,6 +26,17 @@ at most :data:`SURPRISE` times the prediction, unless it repeats: one refit slow
 moves the choices only near the break-even. Until the model has evidence
 (:data:`MIN_EVIDENCE_BYTES` sent each way), the choice is by bytes alone: a patch wherever one
 is fewer bytes.
+
+What a stream has not sent for a while, its refits do not teach: weights released while the
+host was slow are sent whole from then on, and the patched fit that released them would stay
+as the slow spell left it. So the evidence of each kind ages with the stream's refits, not
+with its own (a kind learnt again after a long gap is learnt afresh), and after
+:data:`RECHECK_AFTER` refits that taught the patched part nothing, the model rechecks it: the
+watched weights whose patches it predicts within :data:`RECHECK` of their whole time are
+tracked again together, and kept through the refits that measure their patches (the copy, the
+first patch, then one that teaches). A recheck that brings no patches back doubles the wait
+for the next (up to :data:`RECHECK_AFTER_MAX`), so that where patches do not pay, rechecking
+costs a few percent at first and less and less after.
 """
 
 from __future__ import annotations
@@ -41,6 +52,9 @@ __all__ = [
     "DECAY",
     "EXPLORE",
     "MIN_EVIDENCE_BYTES",
+    "RECHECK",
+    "RECHECK_AFTER",
+    "RECHECK_AFTER_MAX",
     "RETRACK",
     "SURPRISE",
     "RefitCosts",
@@ -50,7 +64,8 @@ __all__ = [
 MIN_EVIDENCE_BYTES = 64 << 20
 """The bytes a refit stream must have sent each way before its model decides."""
 DECAY = 0.7
-"""The weight of a refit's measurements against the next refit's."""
+"""The weight of a refit's measurements against the next refit's: what a kind learnt ``k``
+refits of the stream ago weighs ``DECAY ** k`` against what it learns now."""
 EXPLORE = 0.25
 """Until a stream has sent weights whole and untracked, a weight's whole time is taken as this
 share of a tracked one's (an upper bound on an untracked one's: the first refit of a stream
@@ -63,6 +78,18 @@ RETRACK = 0.8
 """A watched weight is tracked again where its patch is predicted to take at most this share
 of its whole time: the margin keeps a weight near the break-even from moving (and being copied)
 at every refit."""
+
+RECHECK_AFTER = 16
+"""Refits of a stream in a row that taught the patched part nothing, after which the model
+rechecks it (module docstring)."""
+RECHECK_AFTER_MAX = 256
+"""The longest wait between rechecks: each recheck that brings no patches back doubles it."""
+RECHECK = 1.5
+"""A recheck tracks again the watched weights whose patches are predicted to take at most this
+share of their whole time, and keeps them until the patched part was learnt again: a slow
+spell that made patches look up to half again as slow as they are is undone by it."""
+_RECHECK_REFITS = 3  # a weight tracked again is copied, patched for the first time, then learnt from
+_AGE_LIMIT = 32  # refits: evidence older than DECAY ** 32 (1e-5 of a new refit's) counts for nothing
 
 SURPRISE = 1.25
 """A refit that takes longer than this share of what the model predicts for it is learnt from as
@@ -128,7 +155,8 @@ class CostModel:
     """One stream's refit times, fitted (module docstring): a refit's seconds as ``whole x
     B_whole + patched x B_patched + changed x C``. Each part is learnt from the refits that
     sent mostly its kind (the minor parts predicted and taken off first), so that what is
-    known of one kind is kept, not forgotten, while a stream sends only another: the whole
+    known of one kind is kept, not forgotten, while a stream sends only another (aged by the
+    stream's refits, it gives way to what the kind's next refit teaches): the whole
     part from refits of weights sent whole and untracked (what the choice compares a patch
     with), or, until there is such a refit, from refits of weights sent whole and tracked
     (the first refit's page faults included: an upper bound); the patched part from refits
@@ -152,12 +180,34 @@ class CostModel:
         # next refit (a solve costs more than the rest of a weight's choice): (fit,) or None.
         self._fitted: tuple[np.ndarray | None] | None = None
         self._surprised = False  # the last refit learnt from took longer than SURPRISE allows
+        self._refits = 0  # added so far
+        self._learnt_at: dict[str, int] = {}  # kind -> the refit (count) that taught it last
+        self._unpatched = 0  # refits in a row that taught the patched part nothing (outside rechecks)
+        self._recheck_after = RECHECK_AFTER
+        self._recheck_left = 0  # refits of the recheck under way still to come (0: none)
 
     def add(self, refit: RefitCosts) -> None:
         """One refit's measurement: it teaches the part of the kind it sent most bytes of (a
         refit mostly of copies freed or patched for the first time teaches nothing), as at most
         :data:`SURPRISE` times what the model predicts for it unless the refit learnt from
-        before it took longer than that too."""
+        before it took longer than that too. What that part learnt before is aged by
+        :data:`DECAY` per refit of the stream since. Counts toward the next recheck."""
+        self._refits += 1
+        kind = self._learn(refit)
+        if kind == "patched":
+            if not self._recheck_left:  # patches pay again of their own accord
+                self._recheck_after = RECHECK_AFTER
+            self._recheck_left = self._unpatched = 0
+        elif self._recheck_left:
+            self._recheck_left -= 1
+        elif self._patched_fit() is not None:
+            self._unpatched += 1
+            if self._unpatched >= self._recheck_after:
+                self._recheck_left, self._unpatched = _RECHECK_REFITS, 0
+                self._recheck_after = min(2 * self._recheck_after, RECHECK_AFTER_MAX)
+
+    def _learn(self, refit: RefitCosts) -> str | None:
+        """:meth:`add`'s lesson: the kind ``refit`` taught (``None``: none)."""
         parts = {
             "untracked": refit.untracked_bytes - refit.released_bytes,
             "tracked": refit.tracked_bytes,
@@ -167,7 +217,7 @@ class CostModel:
         }
         kind = max(parts, key=lambda key: parts[key])
         if refit.seconds <= 0 or parts[kind] == 0 or kind in _ONE_TIME:  # not what a steady refit pays
-            return
+            return None
         predicted = {key: self._predicted(key, refit) for key in ("untracked", "tracked", "patched")}
         seconds, expected = refit.seconds, sum(predicted.values())
         surprising = predicted[kind] > 0 and seconds > SURPRISE * expected
@@ -175,16 +225,19 @@ class CostModel:
             seconds = SURPRISE * expected
         self._surprised = surprising
         seconds = max(0.0, seconds - sum(part for key, part in predicted.items() if key != kind))
+        age = DECAY ** min(self._refits - self._learnt_at.get(kind, self._refits - 1), _AGE_LIMIT)
+        self._learnt_at[kind] = self._refits
         if kind == "patched":
             x = np.array([refit.patched_bytes, refit.changed_elements]) / _GB
-            self._gram = DECAY * self._gram + np.outer(x, x)
-            self._moment = DECAY * self._moment + x * seconds
+            self._gram = age * self._gram + np.outer(x, x)
+            self._moment = age * self._moment + x * seconds
         else:
             sums = self._untracked if kind == "untracked" else self._tracked
-            sums *= DECAY
+            sums *= age
             sums += (seconds, parts[kind] / _GB)
         self._evidence[kind] += parts[kind]
         self._fitted = None
+        return kind
 
     def _predicted(self, kind: str, refit: RefitCosts) -> float:
         """The seconds the fit so far gives the part of ``refit`` of ``kind`` (0 unknown)."""
@@ -235,7 +288,17 @@ class CostModel:
         longer whole (:meth:`_whole_seconds`) than as a patch (``False`` until both are known:
         the choice is then by bytes)."""
         share = self.patch_share(nbytes, numel, fraction)
-        return share is not None and share >= 1
+        return share is not None and share >= 1 and not (self._recheck_left and share <= RECHECK)
+
+    def rechecks(self, nbytes: int, numel: int, fraction: float) -> bool:
+        """Whether a watched weight that :meth:`retracks` leaves watched is tracked again for
+        a recheck of the patched part (module docstring): one is starting, and its patch is
+        predicted to take at most :data:`RECHECK` of its whole time. Kept until the recheck
+        ends: :meth:`releases` spares it (and any tracked weight within that share) meanwhile."""
+        if self._recheck_left != _RECHECK_REFITS:
+            return False
+        share = self.patch_share(nbytes, numel, fraction)
+        return share is not None and share <= RECHECK
 
     def patch_share(self, nbytes: int, numel: int, fraction: float) -> float | None:
         """The time a patch of such a weight is predicted to take, as a share of its whole time
