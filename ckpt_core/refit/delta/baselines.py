@@ -78,7 +78,7 @@ from ckpt_core.refit.delta import (
     sample_changes,
     take_sample,
 )
-from ckpt_core.refit.delta.choice import CostModel, RefitCosts, WeightHistory
+from ckpt_core.refit.delta.choice import RETRACK, CostModel, RefitCosts, WeightHistory
 from ckpt_core.stats import RefitStats
 
 __all__ = [
@@ -264,13 +264,14 @@ class DeltaSender:
             history = self._history.setdefault(name, WeightHistory())
             if name in released:
                 history.sample = take_sample(tensor, name=name)
+                history.measuring = not self.costs.knows_whole
                 yield pending.untracked(name, tensor, stats, chosen=True, released=True)
                 continue
             if old is None or not _comparable(old, tensor):
                 if history.watched and self._stays_watched(name, tensor, history, stats):
                     yield pending.untracked(name, tensor, stats, chosen=True)
                     continue
-                history.fraction, history.sample = None, None  # new, reshaped, or tracked again
+                history.fraction, history.sample, history.measuring = None, None, False  # new, reshaped, or back
                 yield pending.tracked(name, tensor, stats)
                 continue
             # Screened first unless its last comparison found it well below the break-even.
@@ -321,8 +322,11 @@ class DeltaSender:
         if changed > most_changed(tensor) * compared / tensor.numel():  # no patch would be fewer bytes
             return True
         nbytes = tensor.numel() * tensor.element_size()
-        if self.costs.retracks(nbytes, tensor.numel(), history.fraction):
+        measured = history.measuring and self.costs.knows_whole
+        if self.costs.retracks(nbytes, tensor.numel(), history.fraction, margin=1.0 if measured else RETRACK):
             return False
+        if measured:  # its one choice without the margin was made
+            history.measuring = False
         if self.costs.rechecks(nbytes, tensor.numel(), history.fraction):
             stats.rechecked_tensors += 1
             return False

@@ -72,8 +72,8 @@ share of a tracked one's (an upper bound on an untracked one's: the first refit 
 also faults in the memory of every copy and received weight, which made it 3x an untracked
 refit on cuda_ipc, host memory, 1 GiB): a patch predicted to cost more is released, which
 measures the untracked time, and is tracked again only once that is known (or its patch
-became cheaper). Over a link 10x slower than memory a patch of 1% costs well under this
-share, and is kept."""
+became cheaper), then wherever its patch is predicted faster (:attr:`WeightHistory.measuring`).
+Over a link 10x slower than memory a patch of 1% costs well under this share, and is kept."""
 RETRACK = 0.8
 """A watched weight is tracked again where its patch is predicted to take at most this share
 of its whole time: the margin keeps a weight near the break-even from moving (and being copied)
@@ -120,6 +120,11 @@ class WeightHistory:
 
     fraction: float | None = None
     sample: torch.Tensor | None = None
+    measuring: bool = False
+    """Released to measure what whole weights cost (before any refit of untracked weights
+    was learnt: :data:`EXPLORE`), not on a measured verdict: at its first choice with that cost
+    known, it is tracked again wherever its patch is predicted faster, without
+    :data:`RETRACK`'s margin."""
 
     @property
     def watched(self) -> bool:
@@ -309,13 +314,19 @@ class CostModel:
             return None
         return patch / whole if whole > 0 else math.inf
 
-    def retracks(self, nbytes: int, numel: int, fraction: float) -> bool:
+    def retracks(self, nbytes: int, numel: int, fraction: float, *, margin: float = RETRACK) -> bool:
         """Whether a watched weight whose patch would be fewer bytes (``fraction`` of it changed
         since the last refit, by its sample) is to be tracked again: its patch predicted to
-        take at most :data:`RETRACK` of its whole time (:meth:`_whole_seconds`; ``True`` until
+        take at most ``margin`` of its whole time (:meth:`_whole_seconds`; ``True`` until
         both are known: the choice is then by bytes)."""
         patch, whole = self._patch_seconds(nbytes, numel, fraction), self._whole_seconds(nbytes)
-        return patch is None or whole is None or bool(patch <= RETRACK * whole)
+        return patch is None or whole is None or bool(patch <= margin * whole)
+
+    @property
+    def knows_whole(self) -> bool:
+        """Whether a refit of untracked weights was learnt: whole weights' cost is measured,
+        not :data:`EXPLORE`'s bound."""
+        return self._whole_rate("untracked") is not None
 
     def _whole_seconds(self, nbytes: int) -> float | None:
         """``nbytes`` sent whole and untracked: at the untracked rate, or, with none measured
