@@ -52,6 +52,7 @@ __all__ = [
     "DECAY",
     "EXPLORE",
     "MIN_EVIDENCE_BYTES",
+    "MIN_PATCHED_REFITS",
     "RECHECK",
     "RECHECK_AFTER",
     "RECHECK_AFTER_MAX",
@@ -63,6 +64,11 @@ __all__ = [
 
 MIN_EVIDENCE_BYTES = 64 << 20
 """The bytes a refit stream must have sent each way before its model decides."""
+MIN_PATCHED_REFITS = 2
+"""The refits of patches the model must have learnt from before it releases a tracked weight:
+the first one after a stream's copies are made varies most (on cuda_ipc, host memory, 1 GiB at
+0.1%: 0.121-0.174 s in four runs, against 0.11-0.14 s for the patches after), and alone it
+would decide."""
 DECAY = 0.7
 """The weight of a refit's measurements against the next refit's: what a kind learnt ``k``
 refits of the stream ago weighs ``DECAY ** k`` against what it learns now."""
@@ -181,6 +187,7 @@ class CostModel:
         self._gram = np.zeros((2, 2))  # patched part: decayed sums of x x^T and x y, x = (GB, G elements)
         self._moment = np.zeros(2)
         self._evidence = {"untracked": 0, "tracked": 0, "patched": 0}
+        self._lessons = {"untracked": 0, "tracked": 0, "patched": 0}  # refits learnt from, by kind
         # The patched fit of the refits added so far, solved once for all the choices of the
         # next refit (a solve costs more than the rest of a weight's choice): (fit,) or None.
         self._fitted: tuple[np.ndarray | None] | None = None
@@ -241,6 +248,7 @@ class CostModel:
             sums *= age
             sums += (seconds, parts[kind] / _GB)
         self._evidence[kind] += parts[kind]
+        self._lessons[kind] += 1
         self._fitted = None
         return kind
 
@@ -291,7 +299,10 @@ class CostModel:
         """Whether a tracked weight of ``nbytes`` and ``numel`` elements, of which ``fraction``
         changed at its last comparison, is to be released and watched: predicted to take no
         longer whole (:meth:`_whole_seconds`) than as a patch (``False`` until both are known:
-        the choice is then by bytes)."""
+        the choice is then by bytes; and until :data:`MIN_PATCHED_REFITS` refits of patches
+        were learnt from)."""
+        if self._lessons["patched"] < MIN_PATCHED_REFITS:
+            return False
         share = self.patch_share(nbytes, numel, fraction)
         return share is not None and share >= 1 and not (self._recheck_left and share <= RECHECK)
 
