@@ -312,6 +312,17 @@ def test_released_weights_leave_both_baselines_at_the_manifest_and_come_back_whe
         assert (got.patched_tensors, got.whole_tensors, got.untracked_tensors) == counts[:3]
 
 
+def refit_through(sender: DeltaSender, receiver: DeltaReceiver, weights: dict[str, torch.Tensor]) -> RefitStats:
+    """One refit of ``weights`` from ``sender`` to ``receiver``, committed on both sides (the
+    sender's model learns nothing from it), received bit for bit; the sender's statistics."""
+    stats = RefitStats()
+    received = {n: t.clone() for n, t in receiver.decode(sender.encode(iter(weights.items()), stats), RefitStats())}
+    sender.commit()
+    receiver.commit()
+    assert list(received) == list(weights) and all(torch.equal(bits(received[n]), bits(weights[n])) for n in weights)
+    return stats
+
+
 def test_weights_released_to_measure_the_whole_cost_come_back_wherever_their_patches_are_faster() -> None:
     """Through a sender and a receiver, weights changing 4% at each refit, with only a tracked
     refit's bound of the whole cost (1.2 s/GB, a quarter of it taken): their patches (0.35 s a
@@ -326,15 +337,11 @@ def test_weights_released_to_measure_the_whole_cost_come_back_wherever_their_pat
     for step in steps:
         if step != "whole":
             weights = flipped(weights, 0.04, generator)
-        stats = RefitStats()
-        received = {n: t.clone() for n, t in receiver.decode(sender.encode(iter(weights.items()), stats), RefitStats())}
-        sender.commit()
-        receiver.commit()
+        stats = refit_through(sender, receiver, weights)
         if step == "released":
             sender.costs.add(RefitCosts(0.4, 0, GB, 0, 0))
             share = sender.costs.patch_share(GB, GB // 2, 0.04)
             assert share is not None and RETRACK < share < 1
-        assert all(torch.equal(bits(received[n]), bits(weights[n])) for n in weights)
         counts = (stats.patched_tensors, stats.whole_tensors, stats.untracked_tensors)
         expected = {"whole": (0, 3, 0), "released": (0, 0, 3), "tracked again": (0, 3, 0)}.get(step, (3, 0, 0))
         assert counts == expected, (step, stats)
@@ -364,15 +371,9 @@ def test_a_sender_tracks_released_weights_again_for_a_recheck_and_reports_them()
     for step in steps:
         if step != "whole":
             weights = flipped(weights, 0.025, generator)
-        stats = RefitStats()
-        received = {n: t.clone() for n, t in receiver.decode(sender.encode(iter(weights.items()), stats), RefitStats())}
-        sender.commit()
-        receiver.commit()
+        stats = refit_through(sender, receiver, weights)
         for lesson in lessons.get(step, []):
             sender.costs.add(lesson)
-        assert list(received) == list(weights) and all(
-            torch.equal(bits(received[n]), bits(weights[n])) for n in weights
-        )
         counts = (stats.patched_tensors, stats.whole_tensors, stats.untracked_tensors, stats.rechecked_tensors)
         assert counts == {
             "whole": (0, 3, 0, 0),
