@@ -248,9 +248,12 @@ def refit_phases(sender: dict[str, Any], ended_at: float) -> dict[str, float]:
     * ``first_post``: from the start to the first post (part of ``producing``): nothing can
       move before the first bucket is made.
 
-    ``producing + blocked + after_last_post`` is the refit's end-to-end time.
+    ``producing + blocked + after_last_post`` is the refit's end-to-end time. A post is stamped
+    when the transport's post call returned (the ``bucket_sent`` hook), which can be after the
+    last receiver already holds every tensor (the sender's thread resumed late): a stamp is
+    taken as ``ended_at`` at the latest, so no phase is negative.
     """
-    posts = sender["bucket_posts"]
+    posts = [min(post, ended_at) for post in sender["bucket_posts"]]
     waited_after_last_post = sender["ended_at"] - posts[-1]
     blocked = max(0.0, sender["stats"]["transfer_seconds"] - waited_after_last_post)
     return {

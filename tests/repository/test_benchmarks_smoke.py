@@ -18,7 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.harness import Phase, run_phase  # noqa: E402
-from benchmarks.methods import MemcpyMethod, RefitMethod  # noqa: E402
+from benchmarks.methods import MemcpyMethod, RefitMethod, refit_phases  # noqa: E402
 from benchmarks.report import SCHEMA  # noqa: E402
 from benchmarks.run import _config, _parser, run, write_results  # noqa: E402
 from benchmarks.weights import write_payload  # noqa: E402
@@ -169,6 +169,15 @@ def test_the_producing_workload_runs_side_by_side(tmp_path: Path) -> None:
     assert results["modes"]["cast-bf16"]["payload_bytes"] < results["modes"]["cast-bf16"]["ready_payload_bytes"]
     markdown = (tmp_path / "produce.md").read_text()
     assert "| cast-bf16 |" in markdown and f"What {results['cores']} cores allow" in markdown
+
+
+def test_a_post_stamped_after_the_receivers_ended_ends_its_phases_there() -> None:
+    """The sender stamps its last post when the post call returns, here 0.1 s after the last
+    receiver held every tensor (the sender's thread resumed late): no phase is negative, and
+    they still add up to the refit's time."""
+    sender = {"started_at": 0.0, "ended_at": 1.0, "bucket_posts": [0.3, 0.9], "stats": {"transfer_seconds": 0.2}}
+    phases = refit_phases(sender, ended_at=0.8)
+    assert phases == pytest.approx({"producing": 0.8, "blocked": 0.0, "after_last_post": 0.0, "first_post": 0.3})
 
 
 @pytest.mark.parametrize("topology", ["paired", "fanout"])
