@@ -28,20 +28,22 @@ from ckpt_core._internal.host_alloc import copy_into
 from ckpt_core.errors import OutOfMemoryError
 
 
-def bucket_buffers(count: int, bucket_size: int, device: torch.device) -> list[torch.Tensor]:
-    """``count`` 1-D ``uint8`` buffers of ``bucket_size`` bytes on ``device``, allocated now;
-    ``OutOfMemoryError`` (naming the option to lower) when they do not fit.
+def bucket_buffers(count: int, bucket_size: int, device: torch.device, *, frame_bytes: int = 0) -> list[torch.Tensor]:
+    """``count`` 1-D ``uint8`` buffers of ``bucket_size`` bytes on ``device`` (each preceded
+    by ``frame_bytes`` for a header frame), allocated now; ``OutOfMemoryError`` (naming the
+    option to lower, and the bucket size as the caller set it) when they do not fit.
 
     Host buffers are touched here (zeroed), so their memory is resident from the start: a
     worker's RSS then shows what it holds between refits, and the first refit pays no page
     faults on them."""
     try:
         if device.type == "cpu":
-            return [torch.zeros(bucket_size, dtype=torch.uint8) for _ in range(count)]
-        return [torch.empty(bucket_size, dtype=torch.uint8, device=device) for _ in range(count)]
+            return [torch.zeros(frame_bytes + bucket_size, dtype=torch.uint8) for _ in range(count)]
+        return [torch.empty(frame_bytes + bucket_size, dtype=torch.uint8, device=device) for _ in range(count)]
     except (RuntimeError, MemoryError) as exc:  # torch's allocators raise RuntimeError subclasses
+        framed = f" (each after a {frame_bytes}-byte header frame)" if frame_bytes else ""
         raise OutOfMemoryError(
-            f"cannot allocate {count} bucket buffers of {bucket_size} bytes on {device} "
+            f"cannot allocate {count} bucket buffers of {bucket_size} bytes{framed} on {device} "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); lower "
             "bucket_size_bytes or free memory"
         ) from exc
@@ -118,6 +120,13 @@ class BucketReceiver(abc.ABC):
         """Another header will follow: a transport may start receiving it now, so it is there
         when the current bucket's bytes are. Called after ``post_payload`` of a bucket that is
         not the refit's last, never twice without a ``recv_header`` between. Default: nothing."""
+
+    def expect_refit(self) -> None:
+        """The next refit's first header (bucket 0, in slot 0) may come from now on: a transport
+        may start receiving it, so that a sender that starts first moves its bytes while this
+        side is still on its way to the receive. Called once the transport is connected and at
+        the end of every refit that ended well (every slot released); never between a
+        ``recv_header`` and the end of its refit. Default: nothing."""
 
     @abc.abstractmethod
     def post_payload(self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()) -> None:

@@ -44,7 +44,13 @@ and a message whose receive was posted first moves at once, where one posted aft
 arrived waits for Gloo's own round trip (on a small refit, the frame's round trip and Gloo's
 together were 0.4-0.9 ms). The payload is then readable when the header is
 (``payload_ready_with_header``). A broadcast cannot do this (every member of a Gloo broadcast
-posts the same size), nor can a payload on another group.
+posts the same size), nor can a payload on another group. A broadcast group of two (one
+rollout rank) moves as a pair does.
+
+A pair's receiver posts the next refit's first slot as soon as it is connected and again when
+a refit ends (``expect_refit``): Gloo moves a message only once its receive is posted, so a
+policy that starts first would otherwise hold its first bucket until the rollout reached its
+receive (a vLLM rank is reached through its engine's call, 1-3 ms after the trainer's).
 """
 
 from __future__ import annotations
@@ -179,7 +185,7 @@ def _framed_slots(
     """``count`` slots of a header frame followed by a bucket buffer, one allocation each (a
     framed link moves a slot's frame and payload as one message): ``(slots, frames, buffers)``,
     the frames and buffers being views of the slots."""
-    slots = bucket_buffers(count, HEADER_FRAME_BYTES + bucket_size, device)
+    slots = bucket_buffers(count, bucket_size, device, frame_bytes=HEADER_FRAME_BYTES)
     return slots, [whole[:HEADER_FRAME_BYTES] for whole in slots], [whole[HEADER_FRAME_BYTES:] for whole in slots]
 
 
@@ -262,6 +268,18 @@ class DistributedReceiver(BucketReceiver):
     def expect_header(self) -> None:
         if self._framed:
             self._frame_slot = (self._frame_slot + 1) % self.num_slots
+        self._expected = True
+        self._post_frame()
+
+    def expect_refit(self) -> None:
+        """Post the receive of the next refit's first frame (slot 0) now, on a point-to-point
+        link: Gloo moves a message only once its receive is posted, so a sender that starts
+        first would otherwise wait, with its whole first bucket, for this side to reach its
+        receive. Not on a broadcast link: a posted broadcast would be the group's next
+        collective, whatever the group runs before the next refit."""
+        if self.link.broadcast:
+            return
+        self._frame_slot = 0
         self._expected = True
         self._post_frame()
 
@@ -584,7 +602,10 @@ class DistributedEngine(BucketedEngine):
                 f"(timeout_s={self.timeout_s:g}): {_first_line(exc)}"
             ) from exc
         self._groups.extend({id(control): control, id(data): data}.values())
-        link = Link(control, data, rank=rank, size=size, broadcast=self.topology.shares_link, peer=peer)
+        # A broadcast group of two (one rollout rank) moves as a pair: the same bytes to the same
+        # peer, by the point-to-point messages that can be framed and posted ahead.
+        broadcast = self.topology.shares_link and size > 2
+        link = Link(control, data, rank=rank, size=size, broadcast=broadcast, peer=peer)
         if data is not control:
             self._connect_data_group(link)
         return link

@@ -28,6 +28,7 @@ class _CorruptingReceiver(BucketReceiver):
         self.inner = inner
         self.num_slots = inner.num_slots
         self.direct_chunks = inner.direct_chunks
+        self.payload_ready_with_header = inner.payload_ready_with_header
         self.bucket_size = bucket_size
         self.bucket_index = bucket_index
         self._posted: dict[int, tuple[int, torch.Tensor | None]] = {}  # slot -> (bucket, bytes to corrupt)
@@ -41,6 +42,12 @@ class _CorruptingReceiver(BucketReceiver):
         raw = self.inner.recv_header(timeout_s)
         self._last_bucket = decode_header(raw, bucket_size=self.bucket_size).bucket_index
         return raw
+
+    def expect_header(self) -> None:
+        self.inner.expect_header()
+
+    def expect_refit(self) -> None:
+        self.inner.expect_refit()
 
     def post_payload(self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()) -> None:
         target = self.inner.buffer(slot)[:nbytes] if nbytes else (direct[0] if direct else None)
@@ -56,6 +63,9 @@ class _CorruptingReceiver(BucketReceiver):
 
     def release(self, slot: int) -> None:
         self.inner.release(slot)
+
+    def hand_over(self, slot: int, nbytes: int) -> bool:
+        return self.inner.hand_over(slot, nbytes)
 
     def close(self) -> None:
         self.inner.close()
