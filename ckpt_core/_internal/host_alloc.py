@@ -229,6 +229,47 @@ def slot_memory(nbytes: int, before: SlotMemory | None = None) -> tuple[torch.Te
     return tensor, SlotMemory(block, mapping)
 
 
+class SlotMemories:
+    """The memory of one receiver slot that hands its memory over with the tensors in it
+    (``BucketReceiver.hand_over``), rotating among at most :attr:`ROTATION` blocks from the host
+    pool: the one the slot receives into, the one a consumer still holds (it keeps what it
+    received until the next refit replaces it, as vLLM keeps an adapter), and one that the
+    refit before that released, taken back resident where the next bucket lands.
+
+    A consumer that drops what it received frees the block given the time before, and that
+    one is taken back (as :func:`slot_memory` with its key). One that keeps a refit until the
+    next replaces it holds that block, and the one before it is taken. Only a slot whose
+    rotation is full and held (a consumer keeping two refits or more) is refused: the bucket is
+    copied out then, and the slot keeps its memory."""
+
+    ROTATION = 3
+
+    __slots__ = ("current", "_given")
+
+    def __init__(self) -> None:
+        self.current: SlotMemory | None = None
+        """The key of the memory the slot holds now; ``None``: memory it was made with."""
+        self._given: list[SlotMemory] = []  # what the slot handed over, the most recent first
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        """New memory of ``nbytes`` for the slot, which hands over its current memory (an
+        uninitialized 1-D ``uint8`` CPU tensor): the most recently handed-over block no tensor
+        holds, else (while the rotation is not full) a block from the pool; ``None`` when every
+        block of a full rotation is held."""
+        free = next((key for key in self._given if not key.held), None)
+        if free is None and len(self._given) >= self.ROTATION - 1:
+            return None
+        taken = slot_memory(nbytes, free)
+        assert taken is not None  # free is not held, or None
+        tensor, key = taken
+        if free is not None:
+            self._given.remove(free)
+        if self.current is not None:
+            self._given.insert(0, self.current)
+        self.current = key
+        return tensor
+
+
 def range_storage(buffer: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
     """Bytes ``[offset, offset + nbytes)`` of ``buffer`` (a contiguous 1-D ``uint8`` host
     tensor) as a 1-D ``uint8`` tensor on a storage of exactly ``nbytes``, which keeps all of

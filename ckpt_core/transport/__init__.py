@@ -40,6 +40,7 @@ _EXPORTS = {
     "OptionSchema": "ckpt_core.options",
     "OptionValues": "ckpt_core.options",
     "REQUIRED": "ckpt_core.options",
+    "SlotMemories": "ckpt_core._internal.host_alloc",
     "SlotMemory": "ckpt_core._internal.host_alloc",
     "TOPOLOGIES": "ckpt_core.transport.torch_distributed",
     "TRANSPORT_HOOKS": "ckpt_core.transport.hooks",
@@ -71,7 +72,7 @@ if TYPE_CHECKING:
     from ckpt_core._internal.bucket_io import BucketReceiver, BucketSender
     from ckpt_core._internal.checksum import payload_checksum
     from ckpt_core._internal.device_checksum import device_payload_checksum
-    from ckpt_core._internal.host_alloc import SlotMemory, release_pages_past, slot_memory
+    from ckpt_core._internal.host_alloc import SlotMemories, SlotMemory, release_pages_past, slot_memory
     from ckpt_core._internal.pipeline import Checksum
     from ckpt_core.options import (
         MAX_TIMEOUT_S,

@@ -72,7 +72,7 @@ from ckpt_core._internal.agreement import agree_as_member, agree_as_policy
 from ckpt_core._internal.auth import answer_challenge, host_challenge, resolve_token, verify_members
 from ckpt_core._internal.bucket_io import BucketReceiver, BucketSender, bucket_buffers
 from ckpt_core._internal.fence import ListenerFence, gloo_device, lazy_init
-from ckpt_core._internal.host_alloc import SlotMemory, release_pages_past, slot_memory
+from ckpt_core._internal.host_alloc import SlotMemories, release_pages_past
 from ckpt_core._internal.node_address import AUTO, HOST_ENV, node_address
 from ckpt_core._internal.store import DetachableStore, join_store
 from ckpt_core._internal.wire import MAX_HEADER_BYTES
@@ -258,9 +258,7 @@ class DistributedReceiver(BucketReceiver):
         self._frame_slot = 0  # the slot the next header arrives in (framed)
         self._expected = False  # expect_header() ran and its frame awaits its slot's release
         self._busy: set[int] = set()  # slots whose header arrived and the pipeline has not released
-        # Per slot: its memory from the pool (None: made at start), and the memory it handed over last.
-        self._memory: list[SlotMemory | None] = [None] * self.num_slots
-        self._given: list[SlotMemory | None] = [None] * self.num_slots
+        self._memories = [SlotMemories() for _ in range(self.num_slots)]  # each slot's, once handed over
 
     def buffer(self, slot: int) -> torch.Tensor:
         return self._buffers[slot]
@@ -331,22 +329,21 @@ class DistributedReceiver(BucketReceiver):
 
     def hand_over(self, slot: int, nbytes: int) -> bool:
         """Host buffers only: the slot (its frame too, when framed) gets new memory from the
-        host pool, preferring the memory it handed over the time before, and refused while that
-        is still held (:func:`~ckpt_core._internal.host_alloc.slot_memory` says why); the bucket
-        is copied out then, and the slot keeps its memory. The slot has no receive posted now
-        (its header arrived and the pipeline has not released it). A buffer made at start,
-        resident whole, keeps only its first ``nbytes`` resident; memory from the pool is handed
-        over as it is, resident as far as it was ever written (giving its tail back too made the
-        next bucket received into it fault that tail in again)."""
+        host pool, rotating among a few blocks (:class:`~ckpt_core._internal.host_alloc.SlotMemories`
+        says which, and when it refuses: the bucket is copied out then, and the slot keeps its
+        memory). The slot has no receive posted now (its header arrived and the pipeline has
+        not released it). A buffer made at start, resident whole, keeps only its first
+        ``nbytes`` resident; memory from the pool is handed over as it is, resident as far as
+        it was ever written (giving its tail back too made the next bucket received into it
+        fault that tail in again)."""
         old = self._buffers[slot]
         if old.device.type != "cpu":
             return False
-        taken = slot_memory(self._slots[slot].numel() if self._framed else old.numel(), self._given[slot])
-        if taken is None:
+        memories = self._memories[slot]
+        made_at_start = memories.current is None
+        whole = memories.take(self._slots[slot].numel() if self._framed else old.numel())
+        if whole is None:
             return False
-        made_at_start = self._memory[slot] is None
-        self._given[slot] = self._memory[slot]
-        whole, self._memory[slot] = taken
         if self._framed:
             self._slots[slot] = whole
             self._frames[slot] = whole[:HEADER_FRAME_BYTES]
