@@ -219,9 +219,10 @@ def slot_memory(nbytes: int, before: SlotMemory | None = None) -> tuple[torch.Te
     again (20,000 tensors of 4 KiB: 1.4x as long per tensor, in one run).
 
     ``None`` while that memory is still held (a consumer keeping what it received, as vLLM keeps
-    an adapter until the next replaces it): the slot then copies the bucket out and keeps its
-    memory, since new memory would fault in under every bucket received into it (an adapter
-    refit into vLLM took 2x as long, in one run). Memory no longer held but gone from the pool
+    an adapter until the next replaces it). :class:`SlotMemories`, which a slot keeps, then
+    takes another of its blocks or copies the bucket out; it never takes new memory at every
+    refit, which would fault in under every bucket received into it (an adapter refit into vLLM
+    took 2x as long, in one run). Memory no longer held but gone from the pool
     (``release_host_memory()``, a limit of 0) does not stop the hand-over: other memory is taken."""
     if before is not None and before.held:
         return None

@@ -256,7 +256,7 @@ class DistributedReceiver(BucketReceiver):
         self._in_flight: list[list[Any]] = [[] for _ in range(self.num_slots)]
         self._frame_in_flight: list[Any] = []
         self._frame_slot = 0  # the slot the next header arrives in (framed)
-        self._expected = False  # expect_header() ran and its frame awaits its slot's release
+        self._expected = False  # expect_header() or expect_refit() ran; its frame may await its slot's release
         self._busy: set[int] = set()  # slots whose header arrived and the pipeline has not released
         self._memories = [SlotMemories() for _ in range(self.num_slots)]  # each slot's, once handed over
 
