@@ -44,8 +44,7 @@ and a message whose receive was posted first moves at once, where one posted aft
 arrived waits for Gloo's own round trip (on a small refit, the frame's round trip and Gloo's
 together were 0.4-0.9 ms). The payload is then readable when the header is
 (``payload_ready_with_header``). A broadcast cannot do this (every member of a Gloo broadcast
-posts the same size), nor can a payload on another group. A broadcast group of two (one
-rollout rank) moves as a pair does.
+posts the same size), nor can a payload on another group.
 
 A pair's receiver posts the next refit's first slot as soon as it is connected and again when
 a refit ends (``expect_refit``): Gloo moves a message only once its receive is posted, so a
@@ -599,10 +598,7 @@ class DistributedEngine(BucketedEngine):
                 f"(timeout_s={self.timeout_s:g}): {_first_line(exc)}"
             ) from exc
         self._groups.extend({id(control): control, id(data): data}.values())
-        # A broadcast group of two (one rollout rank) moves as a pair: the same bytes to the same
-        # peer, by the point-to-point messages that can be framed and posted ahead.
-        broadcast = self.topology.shares_link and size > 2
-        link = Link(control, data, rank=rank, size=size, broadcast=broadcast, peer=peer)
+        link = Link(control, data, rank=rank, size=size, broadcast=self.topology.shares_link, peer=peer)
         if data is not control:
             self._connect_data_group(link)
         return link

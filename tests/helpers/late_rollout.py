@@ -18,11 +18,16 @@ def weights(refit: int) -> list[tuple[str, torch.Tensor]]:
     return [(f"w{i}", torch.full((64, 64), float(10 * refit + i))) for i in range(3)]
 
 
-def run(role: str, topology: str, metadata_out: Any, metadata_in: Any, sent: list[Any], results: Any) -> None:
+def run(
+    role: str, topology: str, metadata_out: Any, metadata_in: Any, sent: list[Any], done: Any, results: Any
+) -> None:
     """``role`` ``"policy"`` sends :data:`REFITS` refits, setting ``sent[k]`` once the send of
-    refit ``k`` returned; ``"rollout"`` waits up to :data:`WAIT_S` for it before each receive.
-    Each puts ``{"role", ...}`` on ``results`` (the rollout: whether each send returned first,
-    and what it received), or ``{"error": ...}``."""
+    refit ``k`` returned, then waits for ``done`` before it finalizes (as a driver gathers both
+    sides of a refit before it ends anything: a sender that drops its link at once can take
+    bytes the rollout has not read with it); ``"rollout"`` waits up to :data:`WAIT_S` for
+    ``sent[k]`` before each receive, and sets ``done`` after the last. Each puts ``{"role",
+    ...}`` on ``results`` (the rollout: whether each send returned first, and what it
+    received), or ``{"error": ...}``."""
     engine: Any = None
     try:
         engine = create_checkpoint_engine(
@@ -36,6 +41,8 @@ def run(role: str, topology: str, metadata_out: Any, metadata_in: Any, sent: lis
             for refit in range(REFITS):
                 engine.send_weights_blocking(item for item in weights(refit))
                 sent[refit].set()
+            if not done.wait(2 * WAIT_S * REFITS):
+                raise TimeoutError("the rollout did not receive both refits in time")
             results.put({"role": role})
             return
         engine.init_rollout_process_group(rollout_rank=0, **sizes)
@@ -45,6 +52,7 @@ def run(role: str, topology: str, metadata_out: Any, metadata_in: Any, sent: lis
             first.append(sent[refit].wait(WAIT_S))
             batches = engine.receive_weight_batches_blocking(owned=True)
             received.append([(name, sorted(set(t.flatten().tolist()))) for batch in batches for name, t in batch])
+        done.set()
         results.put({"role": role, "sent_first": first, "received": received})
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         results.put({"role": role, "error": f"{role}: {type(exc).__name__}: {exc}"})
