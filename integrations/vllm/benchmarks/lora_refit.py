@@ -21,7 +21,8 @@ after 1.5 s with the engine idle:
   (``llm_engine.add_lora`` with ``load_inplace``, what ``/v1/load_lora_adapter`` does), both timed;
 
 then checks that both serve the same greedy tokens. The rank's own account of each refit splits
-it into receiving, holding (the checks) and installing (vLLM's load of the held tensors). After
+it into receiving, holding (the checks) and installing (vLLM's load of the held tensors); its
+call's stamps give the call's way to the rank and back, and the trainer's when its send returned. After
 the repetitions: ``call`` times vLLM's engine call to its workers alone (``check_health``, which
 does nothing), the floor under both ways, alternating with the same call beside the trainer's own
 work (``AdapterTrainer.pack``: the adapter copied into a buffer, as a sender packs it, from the
@@ -86,10 +87,10 @@ def alongside(trainer: Any, method: str, kwargs: dict[str, Any], here: Callable[
     return _answer(answers)
 
 
-def timed(trainer: Any, method: str, kwargs: dict[str, Any], receive: Callable[[], Any]) -> tuple[Any, float]:
+def timed(trainer: Any, method: str, kwargs: dict[str, Any], receive: Callable[[], Any]) -> tuple[Any, float, float]:
     """The trainer's ``method`` (given ``start_at``) and the rollout's ``receive``, both starting
     at one stamp ``IDLE_S`` from now, the engine idle until then: ``(what the trainer's call
-    returned, seconds from that stamp to the end of receive)``."""
+    returned, seconds from that stamp to the end of receive, the stamp)``."""
     start_at = time.perf_counter() + IDLE_S
     ended: list[float] = []
 
@@ -99,7 +100,7 @@ def timed(trainer: Any, method: str, kwargs: dict[str, Any], receive: Callable[[
         ended.append(time.perf_counter())
 
     value = alongside(trainer, method, {**kwargs, "start_at": start_at}, receiving)
-    return value, ended[0] - start_at
+    return value, ended[0] - start_at, start_at
 
 
 def _run_in(workdir: Path, reps: int, rank: int, bucket_size: int, backend: str) -> dict[str, Any]:
@@ -156,9 +157,13 @@ def _run_in(workdir: Path, reps: int, rank: int, bucket_size: int, backend: str)
                 def receive(reports: list[dict[str, Any]] = reports) -> None:
                     reports.extend(rollout.refit_adapter("refit", lora_id=1, config=config))
 
-                sent, seconds = timed(trainer, "send_adapter", {"version": version}, receive)
+                sent, seconds, start_at = timed(trainer, "send_adapter", {"version": version}, receive)
                 row: dict[str, Any] = {"version": version, "refit_s": seconds}
                 row["worker_s"] = reports[0]["seconds"]
+                # One clock for the machine's processes: the call's way to the rank and back.
+                row["call_in_s"] = reports[0]["started_at"] - start_at
+                row["call_out_s"] = start_at + seconds - reports[0]["ended_at"]
+                row["trainer_s"] = sent["ended_at"] - start_at
                 row["adapter_bytes"] = sent["payload_bytes"]
 
                 def from_disk(path: Path = workdir / f"disk-{rep}", adapter: list[Any] = versions[version]) -> None:
@@ -191,7 +196,7 @@ def _run_in(workdir: Path, reps: int, rank: int, bucket_size: int, backend: str)
             merged_rows = []
             for rep in range(-1, max(3, reps // 3)):
                 kwargs = {"version": VERSIONS[rep % 2], "scaling": alpha / rank}
-                sent, seconds = timed(trainer, "send_merged", kwargs, rollout.refit)
+                sent, seconds, _ = timed(trainer, "send_merged", kwargs, rollout.refit)
                 merged_bytes = int(sent["payload_bytes"])
                 if rep >= 0:
                     merged_rows.append({"merged_s": seconds, "merge_s": sent["merge_s"]})
@@ -203,7 +208,10 @@ def _run_in(workdir: Path, reps: int, rank: int, bucket_size: int, backend: str)
     from ckpt_core.bench.baselines import small_refit_floor
 
     floors = small_refit_floor(backend, adapter_bytes_sent(rows), reps)
-    median = {key: statistics.median(r[key] for r in rows) for key in ("refit_s", "disk_s")}
+    median = {
+        key: statistics.median(r[key] for r in rows)
+        for key in ("refit_s", "disk_s", "call_in_s", "call_out_s", "trainer_s")
+    }
     median |= {key: statistics.median(r[key] for r in merged_rows) for key in ("merged_s", "merge_s")}
     median["call_s"] = statistics.median(calls)
     median["call_beside_pack_s"] = statistics.median(beside)
@@ -279,7 +287,10 @@ def report_table(r: dict[str, Any]) -> str:
         f"Where a refit's time goes: the rank received the adapter in {w['receive'] * 1e3:.1f} ms, checked and "
         f"held it in {w['hold'] * 1e3:.1f} ms and installed it through vLLM's own load in "
         f"{w['install'] * 1e3:.1f} ms; vLLM's engine call to its worker alone (`check_health`) took "
-        f"{m['call_s'] * 1e3:.1f} ms. The goal leaves {m['disk_s'] / GOAL * 1e3:.1f} ms (disk / {GOAL:g}); the call "
+        f"{m['call_s'] * 1e3:.1f} ms. During a refit the call reached the rank {m['call_in_s'] * 1e3:.1f} ms after "
+        f"the start and its answer the driver {m['call_out_s'] * 1e3:.1f} ms after the rank's end; the trainer's "
+        f"send returned {m['trainer_s'] * 1e3:.1f} ms after the start. The goal leaves "
+        f"{m['disk_s'] / GOAL * 1e3:.1f} ms (disk / {GOAL:g}); the call "
         f"and vLLM's install (the same load the disk path runs, from the file) take "
         f"{(m['call_s'] + w['install']) * 1e3:.1f} ms.\n\n"
         f"Against what a refit cannot do without: vLLM's call ({m['call_s'] * 1e3:.1f} ms), its install "

@@ -69,6 +69,7 @@ def three_adapter_refits_then_a_full_one(
                 assert not isinstance(reports, Exception), reports
                 assert all(r["version"] == str(step) and r["tensors"] == 8 for r in reports), reports
                 assert all(min(r["seconds"].values()) > 0 for r in reports), reports  # received, held, installed
+                assert all(r["ended_at"] - r["started_at"] >= sum(r["seconds"].values()) for r in reports), reports
                 from_memory = with_adapter(llm, rollout.lora_request("policy"))
                 (saved,) = trainer.call([(0, "save_lora", {"path": str(tmp_path / f"v{step}")})], CALL_TIMEOUT_S)
                 assert saved.ok, saved.describe()

@@ -103,8 +103,10 @@ class CkptEngineWorkerExtension:
         (:class:`ckpt_vllm.model.lora.AdapterStore`); with ``lora_id``, served under it at once in
         place of the previous version, else when vLLM is asked to load its path (the server's
         ``/v1/load_lora_adapter``). The version received (``lora_id``, ``version``, tensors,
-        bytes) and this rank's ``seconds`` receiving it, checking and holding it, and
-        installing it (0 without ``lora_id``)."""
+        bytes), this rank's ``seconds`` receiving it, checking and holding it, and installing it
+        (0 without ``lora_id``), and the ``time.perf_counter`` stamps this call ``started_at``
+        and ``ended_at`` on the rank (one clock for every process of a machine: a caller on it
+        times the call's way in and out)."""
         started = time.perf_counter()
         tensors = self._ckpt_transfer().receive_adapter()
         received = time.perf_counter()
@@ -116,7 +118,8 @@ class CkptEngineWorkerExtension:
         if lora_id is not None:
             store.install(name, adapter.version, lora_id)
             seconds["install"] = time.perf_counter() - held
-        return {"lora_id": lora_id, **adapter.describe(), "seconds": seconds}
+        stamps = {"started_at": started, "ended_at": time.perf_counter()}
+        return {"lora_id": lora_id, **adapter.describe(), "seconds": seconds, **stamps}
 
     @_replying
     def ckpt_engine_remove_adapter(self, *, name: str) -> None:
