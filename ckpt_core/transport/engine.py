@@ -226,7 +226,6 @@ class BucketedEngine(TransportHooks, CheckpointEngine):
             role="rollout",
         )
         self._receiver = self._connect_rollout(rollout_rank, train_world_size, rollout_world_size, checked)
-        self._receiver.expect_refit()
         for stage in self._stages:
             stage.connected([self._receiver.buffer(0).device])
         self._life.enter(Phase.ROLLOUT, rollout_rank)
