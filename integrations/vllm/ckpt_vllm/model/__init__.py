@@ -7,4 +7,6 @@
 * :mod:`~ckpt_vllm.model.model_quantization`: which weights the model holds as FP8, derived from
   its scales (a spec of :mod:`ckpt_core.refit.quantize`), and an FP8 checkpoint for such a model.
 * :mod:`~ckpt_vllm.model.lora`: LoRA adapters received by a refit, served from memory.
+* :mod:`~ckpt_vllm.model.kv_cache`: zeroing the KV cache, which a model left broken by a
+  failed refit may have filled with NaN.
 """

@@ -20,9 +20,10 @@ name known. vLLM's calls map onto ckpt-core's seed lifecycle:
 
 A failed update finalizes this rank's engine at once (the trainer sees its connections close
 instead of waiting out its deadline) and leaves the rank not current until a new
-``init_weight_transfer_engine`` and a complete update. Nothing here resets vLLM's prefix cache
-(it lives in the scheduler, out of a worker's reach): pause with ``clear_cache=true`` around a
-refit, or reset it after (``VllmRollout`` does).
+``init_weight_transfer_engine`` and a complete update, which zeroes the rank's KV cache first
+(what a broken model served may have left there: :mod:`ckpt_vllm.model.kv_cache`). Nothing
+here resets vLLM's prefix cache (it lives in the scheduler, out of a worker's reach): pause with
+``clear_cache=true`` around a refit, or reset it after (``VllmRollout`` does).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from ckpt_core.refit.layout import WeightLayout
 from ckpt_core.registry import create_checkpoint_engine, resolve_backend
 from ckpt_core.rss import peak_rss_bytes, reset_peak_rss, rss_bytes
 from ckpt_vllm.errors import WorkersFailedError
+from ckpt_vllm.model.kv_cache import clear_kv_caches
 from ckpt_vllm.model.loading import LayerwiseLoad, own_pending_weights
 from ckpt_vllm.model.model_layout import checkpoint_parameter_bytes, derive_weight_layout, full_weight
 from ckpt_vllm.model.model_quantization import derive_weight_quantization
@@ -198,6 +200,9 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
         self.current = True  # the weights vLLM loaded at start-up are a consistent model
         self.loaded = False  # the open update loaded a whole refit, not rejected since
         self.last_error: dict[str, str] | None = None
+        self.cache_suspect = False
+        """An update failed or was discarded since the KV cache was last cleared: the model may
+        have served meanwhile with weights that are not a model (:mod:`ckpt_vllm.model.kv_cache`)."""
         self.last_report: dict[str, Any] | None = None
         self._updating = False
         self._refused: Exception | None = None  # what parse_init_info refused, for init to settle
@@ -343,6 +348,7 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
             tensors, nbytes = update.load(stream)
             update.finish()
             guard.check()  # what vLLM's post-load processing left, too
+            cleared = clear_kv_caches(self.model) if self.cache_suspect else 0
         except BaseException as exc:
             update.abandon()
             try:
@@ -353,6 +359,7 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
             raise
         self.loaded = True
         self.last_error = None
+        self.cache_suspect = False
         stats = getattr(engine, "last_stats", None)
         self.last_report = {
             "role": "rollout",
@@ -368,6 +375,7 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
             "heap_trims": guard.trims,
             "rss_before_bytes": rss_before,
             "peak_rss_bytes": peak_rss_bytes(),
+            "kv_cache_cleared_bytes": cleared,
         }
 
     def finish_weight_update(self) -> None:
@@ -389,6 +397,7 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
                 "error_type": "LifecycleError",
                 "message": "the refit was loaded, then rejected by the driver",
             }
+            self.cache_suspect = True
         self.loaded = False
         self.current = False
 
@@ -443,6 +452,8 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
 
     def _fail(self, step: str, exc: BaseException) -> None:
         self.last_error = {"error_type": type(exc).__name__, "message": f"{step}: {exc}"}
+        if step == "update":
+            self.cache_suspect = True
         self._drop_engine()
 
     def _drop_engine(self) -> None:
