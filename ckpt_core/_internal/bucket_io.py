@@ -121,6 +121,14 @@ class BucketReceiver(abc.ABC):
         when the current bucket's bytes are. Called after ``post_payload`` of a bucket that is
         not the refit's last, never twice without a ``recv_header`` between. Default: nothing."""
 
+    def expect_refit(self) -> None:
+        """The next refit's first header (bucket 0, in slot 0) may come from now on: a transport
+        may start receiving it, so that a sender that starts first moves its bytes while this
+        side is still on its way to the receive. Called at the end of every refit that ended well
+        (every slot released), never between a ``recv_header`` and the end of its refit; not at
+        connect (a Gloo fanout pair's receive posted then was, in 1 of 16 runs, not matched until
+        the rollout waited on it). Default: nothing."""
+
     @abc.abstractmethod
     def post_payload(self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()) -> None:
         """Start receiving the payload announced by the last header: ``nbytes`` into

@@ -207,6 +207,7 @@ class _BucketStream:
         if batch:
             yield batch
         self._take_back()
+        self.receiver.expect_refit()
 
     def _next_header(self, bucket_index: int) -> BucketHeader:
         refit = self.refit

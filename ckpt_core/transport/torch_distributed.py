@@ -45,6 +45,11 @@ arrived waits for Gloo's own round trip (on a small refit, the frame's round tri
 together were 0.4-0.9 ms). The payload is then readable when the header is
 (``payload_ready_with_header``). A broadcast cannot do this (every member of a Gloo broadcast
 posts the same size), nor can a payload on another group.
+
+A pair's receiver posts the next refit's first slot as soon as it is connected and again when
+a refit ends (``expect_refit``): Gloo moves a message only once its receive is posted, so a
+policy that starts first would otherwise hold its first bucket until the rollout reached its
+receive (a vLLM rank is reached through its engine's call, 1-3 ms after the trainer's).
 """
 
 from __future__ import annotations
@@ -250,7 +255,7 @@ class DistributedReceiver(BucketReceiver):
         self._in_flight: list[list[Any]] = [[] for _ in range(self.num_slots)]
         self._frame_in_flight: list[Any] = []
         self._frame_slot = 0  # the slot the next header arrives in (framed)
-        self._expected = False  # expect_header() ran and its frame awaits its slot's release
+        self._expected = False  # expect_header() or expect_refit() ran; its frame may await its slot's release
         self._busy: set[int] = set()  # slots whose header arrived and the pipeline has not released
         self._memories = [SlotMemories() for _ in range(self.num_slots)]  # each slot's, once handed over
 
@@ -260,6 +265,18 @@ class DistributedReceiver(BucketReceiver):
     def expect_header(self) -> None:
         if self._framed:
             self._frame_slot = (self._frame_slot + 1) % self.num_slots
+        self._expected = True
+        self._post_frame()
+
+    def expect_refit(self) -> None:
+        """Post the receive of the next refit's first frame (slot 0) now, on a point-to-point
+        link: Gloo moves a message only once its receive is posted, so a sender that starts
+        first would otherwise wait, with its whole first bucket, for this side to reach its
+        receive. Not on a broadcast link: a posted broadcast would be the group's next
+        collective, whatever the group runs before the next refit."""
+        if self.link.broadcast:
+            return
+        self._frame_slot = 0
         self._expected = True
         self._post_frame()
 

@@ -46,6 +46,9 @@ class _CorruptingReceiver(BucketReceiver):
     def expect_header(self) -> None:
         self.inner.expect_header()
 
+    def expect_refit(self) -> None:
+        self.inner.expect_refit()
+
     def post_payload(self, slot: int, nbytes: int, timeout_s: float, direct: Sequence[torch.Tensor] = ()) -> None:
         target = self.inner.buffer(slot)[:nbytes] if nbytes else (direct[0] if direct else None)
         self._posted[slot] = (self._last_bucket, target)
