@@ -50,7 +50,7 @@ A pair's receiver posts the next refit's first slot when a refit ends (``expect_
 moves a message only once its receive is posted, so a policy that starts first would otherwise
 hold its first bucket until the rollout reached its receive (a vLLM rank is reached through its
 engine's call, 1-3 ms after the trainer's). Not at connect: a fanout pair's receive posted then
-was, in 2 of 27 runs with the cores loaded, not matched until the rollout waited on it.
+was, in 2 of 35 runs with the cores loaded, not matched until the rollout waited on it.
 """
 
 from __future__ import annotations
