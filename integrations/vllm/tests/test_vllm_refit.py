@@ -146,6 +146,8 @@ class RefitsIntoVllm:
                     for rank_report in report.rollout:
                         assert rank_report["tensors"] == len(checkpoints["digests"][k])
                         cloned += rank_report["pending_cloned_bytes"]
+                        if k:  # after a refit that loaded well, the KV cache is left as it is
+                            assert rank_report["kv_cache_cleared_bytes"] == 0, rank_report
                         if borrowed:  # every byte came in a bucket (the sender packed for a borrower)
                             assert rank_report["stats"]["direct_chunks"] == 0, rank_report
                 # Which layers span two batches depends on where buckets close, and a weight slow
@@ -329,6 +331,8 @@ class RefitsIntoVllm:
                     greedy_tokens(rollout.generate)
                 sent, received = refit(trainer, rollout)  # the same W1 again, loaded and committed
                 assert sent.ok and not isinstance(received, Exception), received
+            # The discarded weights may have been served (allow_stale): the cache is cleared.
+            assert all(report["kv_cache_cleared_bytes"] > 0 for report in received), received
             assert greedy_tokens(rollout.generate) == reference_tokens[0]
             assert rollout.is_current and rollout.weight_version == version + 1
         finally:
