@@ -4,12 +4,13 @@ A refit that fails part-way (a trainer killed, a weight vLLM refuses) leaves the
 two versions, and the modules vLLM had begun to rebuild may hold memory nothing was written to:
 such a model can compute NaN. Whatever it serves meanwhile (``generate(allow_stale=True)``, a
 ``vllm serve`` client) writes that NaN into KV-cache blocks. Resetting vLLM's prefix cache frees
-those blocks but leaves their bytes, and the next request given one reads them: vLLM's CPU
-attention reads a block's positions past the request's length too, and a masked position
-holding NaN still makes the output NaN (0 * NaN). Seen: after a killed refit whose model
-generated only token 0, then a complete refit, the engine's first generation differed from a
-fresh engine's, its second did not. So a rank zeroes its KV cache before it becomes current
-again after a failed or discarded update (:func:`clear_kv_caches`).
+those blocks but leaves their bytes, and vLLM's CPU attention reads cache bytes a request has
+not written yet, masked, where a masked NaN still makes the output NaN (0 * NaN). Seen: after a
+killed refit whose model generated only token 0, then a complete refit, the engine's first
+generation differed from a fresh engine's and its second did not; with the whole cache filled
+with NaN and the prefix cache reset, every token was 0 until the cache was zeroed. So a rank
+zeroes its KV cache before it becomes current again after a failed or discarded update
+(:func:`clear_kv_caches`).
 """
 
 from __future__ import annotations
