@@ -49,7 +49,7 @@ def run(
                 seconds.append(time.monotonic() - started)
                 sent[refit].set()
             if not done.wait(2 * WAIT_S * REFITS):
-                raise TimeoutError("the rollout did not receive both refits in time")
+                raise TimeoutError(f"the rollout did not receive all {REFITS} refits in time")
             results.put({"role": role, "send_seconds": seconds})
             return
         engine.init_rollout_process_group(rollout_rank=0, **sizes)
