@@ -8,8 +8,8 @@ shared storages behind small tensors have a pool of their own, at most 64 MiB, w
 that copies each batch into a model and lets it go (an inference engine's) can hand the pool
 back after each refit, or turn the pool off; ``finalize()`` of an engine built with
 ``release_after_refit=True`` also empties it. A Gloo receiver that hands a slot's memory over
-with the small tensors it holds takes the slot's new memory from this pool; the memory it gave
-up is freed (or pooled, if it came from here) once those tensors are.
+with the small tensors it holds rotates the slot among blocks of its own, outside this pool:
+neither function touches them; they go when the engine is finalized and no tensor holds them.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ copy into fresh 4 KiB pages runs several times slower than into warm memory
 
 Smaller tensors use ``torch.empty`` (the C allocator already reuses small blocks). Storages
 shared by many small received tensors (:func:`empty_host_storage`) are mappings too, pooled
-apart (at most ``STORAGE_POOL_BYTES``).
+apart (at most ``STORAGE_POOL_BYTES``). A receiver's slot that hands its memory over with the
+tensors in it keeps blocks of its own, outside both pools (:mod:`ckpt_core._internal.slot_memory`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import ctypes.util
 import mmap
 import os
 import threading
-import weakref
 from typing import Any
 
 import torch
@@ -70,19 +70,13 @@ class _Pool:
         self._age: collections.OrderedDict[int, tuple[int, mmap.mmap]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def take(self, size: int, prefer: int | None = None) -> mmap.mmap | None:
-        """A freed block of ``size`` bytes: the one whose mapping has ``id`` ``prefer`` if it
-        is here, else the most recently freed; ``None`` if there is none."""
+    def take(self, size: int) -> mmap.mmap | None:
+        """The most recently freed block of ``size`` bytes; ``None`` if there is none."""
         with self._lock:
             free = self._free.get(size)
             if not free:
                 return None
-            preferred = self._age.get(prefer) if prefer is not None else None
-            if preferred is not None and preferred[0] == size:
-                mapping = preferred[1]
-                free.remove(mapping)
-            else:
-                mapping = free.pop()
+            mapping = free.pop()
             del self._age[id(mapping)]
             self.pooled_bytes -= size
             return mapping
@@ -151,26 +145,32 @@ def _block_type(size: int, pool: _Pool) -> Any:
 def _mapped_bytes(nbytes: int, pool: _Pool) -> torch.Tensor:
     """A 1-D ``uint8`` tensor of ``nbytes`` on an anonymous mapping taken from ``pool`` (or
     new), which goes back to ``pool`` when the tensor's storage is freed."""
-    return _mapped_block(nbytes, pool)[0]
-
-
-def _mapped_block(nbytes: int, pool: _Pool, prefer: int | None = None) -> tuple[torch.Tensor, Any, int]:
-    """:func:`_mapped_bytes`, preferring the freed mapping whose ``id`` is ``prefer``; also
-    returns the block the tensor holds and the ``id`` of the mapping it used."""
-    huge = nbytes >= HUGE_PAGE_THRESHOLD and hasattr(mmap, "MADV_HUGEPAGE")
-    unit = _HUGE_PAGE if huge else mmap.PAGESIZE
-    size = -(-nbytes // unit) * unit
-    mapping = pool.take(size, prefer)
+    size = mapping_size(nbytes)
+    mapping = pool.take(size)
     if mapping is None:
-        mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if huge:
-            try:
-                mapping.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:  # THP unsupported here: the mapping still works with small pages
-                pass
+        mapping = new_mapping(size)
     block = _block_type(size, pool).from_buffer(mapping)
     block.mapping = mapping
-    return torch.frombuffer(block, dtype=torch.uint8, count=nbytes), block, id(mapping)
+    return torch.frombuffer(block, dtype=torch.uint8, count=nbytes)
+
+
+def mapping_size(nbytes: int) -> int:
+    """The size of a mapping made for ``nbytes``: rounded up to a page, or to a huge page from
+    ``HUGE_PAGE_THRESHOLD`` up (where the system has them)."""
+    unit = _HUGE_PAGE if nbytes >= HUGE_PAGE_THRESHOLD and hasattr(mmap, "MADV_HUGEPAGE") else mmap.PAGESIZE
+    return -(-nbytes // unit) * unit
+
+
+def new_mapping(size: int) -> mmap.mmap:
+    """A new private anonymous mapping of ``size`` bytes (from :func:`mapping_size`), advised
+    to use huge pages from ``HUGE_PAGE_THRESHOLD`` up. Nothing is faulted in yet."""
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if size >= HUGE_PAGE_THRESHOLD and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP unsupported here: the mapping still works with small pages
+            pass
+    return mapping
 
 
 def empty_host(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -191,84 +191,6 @@ def empty_host_storage(nbytes: int) -> torch.Tensor:
     steady from refit to refit (the C heap's was not), and never pushing a large tensor's
     block out of the main pool, which a receiver holding a whole refit may fill."""
     return _mapped_bytes(nbytes, _STORAGE_POOL)
-
-
-class SlotMemory:
-    """A key to memory :func:`slot_memory` gave a receiver's slot: whether any tensor still
-    holds that memory, and which pooled block it is once none does."""
-
-    __slots__ = ("_block", "_mapping")
-
-    def __init__(self, block: Any, mapping: int) -> None:
-        self._block = weakref.ref(block)
-        self._mapping = mapping
-
-    @property
-    def held(self) -> bool:
-        """Whether a tensor on this memory is still alive (it goes back to the pool when none is)."""
-        return self._block() is not None
-
-
-def slot_memory(nbytes: int, before: SlotMemory | None = None) -> tuple[torch.Tensor, SlotMemory] | None:
-    """New memory for a receiver's slot whose memory it hands over with the tensors in it
-    (``BucketReceiver.hand_over``): an uninitialized 1-D ``uint8`` CPU tensor of ``nbytes``
-    from the host pool, and its key. ``before``: the key of the memory this slot handed over
-    the time before, which is taken again if it is in the pool. A slot's buckets repeat from
-    refit to refit, so that memory is resident where the next bucket lands; the most recently
-    freed block may hold another slot's smaller bucket, and the pages past it would fault in
-    again (20,000 tensors of 4 KiB: 1.4x as long per tensor, in one run).
-
-    ``None`` while that memory is still held (a consumer keeping what it received, as vLLM keeps
-    an adapter until the next replaces it). :class:`SlotMemories`, which a slot keeps, then
-    takes another of its blocks or copies the bucket out; it never takes new memory at every
-    refit, which would fault in under every bucket received into it (an adapter refit into vLLM
-    took 2x as long, in one run). Memory no longer held but gone from the pool
-    (``release_host_memory()``, a limit of 0) does not stop the hand-over: other memory is taken."""
-    if before is not None and before.held:
-        return None
-    tensor, block, mapping = _mapped_block(nbytes, _POOL, before._mapping if before is not None else None)
-    return tensor, SlotMemory(block, mapping)
-
-
-class SlotMemories:
-    """The memory of one receiver slot that hands its memory over with the tensors in it
-    (``BucketReceiver.hand_over``), rotating among at most :attr:`ROTATION` blocks from the host
-    pool: the one the slot receives into, the one a consumer still holds (it keeps what it
-    received until the next refit replaces it, as vLLM keeps an adapter), and one that the
-    refit before that released, taken back resident where the next bucket lands.
-
-    A consumer that drops what it received frees the block given the time before, and that
-    one is taken back (as :func:`slot_memory` with its key). One that keeps a refit until the
-    next replaces it holds that block, and the one before it is taken. Only a slot whose
-    rotation is full and held (a consumer keeping two refits or more) is refused: the bucket is
-    copied out then, and the slot keeps its memory."""
-
-    ROTATION = 3
-
-    __slots__ = ("current", "_given")
-
-    def __init__(self) -> None:
-        self.current: SlotMemory | None = None
-        """The key of the memory the slot holds now; ``None``: memory it was made with."""
-        self._given: list[SlotMemory] = []  # what the slot handed over, the most recent first
-
-    def take(self, nbytes: int) -> torch.Tensor | None:
-        """New memory of ``nbytes`` for the slot, which hands over its current memory (an
-        uninitialized 1-D ``uint8`` CPU tensor): the most recently handed-over block no tensor
-        holds, else (while the rotation is not full) a block from the pool; ``None`` when every
-        block of a full rotation is held."""
-        free = next((key for key in self._given if not key.held), None)
-        if free is None and len(self._given) >= self.ROTATION - 1:
-            return None
-        taken = slot_memory(nbytes, free)
-        assert taken is not None  # free is not held, or None
-        tensor, key = taken
-        if free is not None:
-            self._given.remove(free)
-        if self.current is not None:
-            self._given.insert(0, self.current)
-        self.current = key
-        return tensor
 
 
 def range_storage(buffer: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:

@@ -40,8 +40,8 @@ _EXPORTS = {
     "OptionSchema": "ckpt_core.options",
     "OptionValues": "ckpt_core.options",
     "REQUIRED": "ckpt_core.options",
-    "SlotMemories": "ckpt_core._internal.host_alloc",
-    "SlotMemory": "ckpt_core._internal.host_alloc",
+    "SlotMemories": "ckpt_core._internal.slot_memory",
+    "SlotMemory": "ckpt_core._internal.slot_memory",
     "TOPOLOGIES": "ckpt_core.transport.torch_distributed",
     "TRANSPORT_HOOKS": "ckpt_core.transport.hooks",
     "Topology": "ckpt_core.topology",
@@ -54,7 +54,6 @@ _EXPORTS = {
     "gloo_group": "ckpt_core.transport.torch_distributed",
     "payload_checksum": "ckpt_core._internal.checksum",
     "release_pages_past": "ckpt_core._internal.host_alloc",
-    "slot_memory": "ckpt_core._internal.host_alloc",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -72,8 +71,9 @@ if TYPE_CHECKING:
     from ckpt_core._internal.bucket_io import BucketReceiver, BucketSender
     from ckpt_core._internal.checksum import payload_checksum
     from ckpt_core._internal.device_checksum import device_payload_checksum
-    from ckpt_core._internal.host_alloc import SlotMemories, SlotMemory, release_pages_past, slot_memory
+    from ckpt_core._internal.host_alloc import release_pages_past
     from ckpt_core._internal.pipeline import Checksum
+    from ckpt_core._internal.slot_memory import SlotMemories, SlotMemory
     from ckpt_core.options import (
         MAX_TIMEOUT_S,
         REQUIRED,

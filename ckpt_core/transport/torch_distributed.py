@@ -72,8 +72,9 @@ from ckpt_core._internal.agreement import agree_as_member, agree_as_policy
 from ckpt_core._internal.auth import answer_challenge, host_challenge, resolve_token, verify_members
 from ckpt_core._internal.bucket_io import BucketReceiver, BucketSender, bucket_buffers
 from ckpt_core._internal.fence import ListenerFence, gloo_device, lazy_init
-from ckpt_core._internal.host_alloc import SlotMemories, release_pages_past
+from ckpt_core._internal.host_alloc import release_pages_past
 from ckpt_core._internal.node_address import AUTO, HOST_ENV, node_address
+from ckpt_core._internal.slot_memory import SlotMemories
 from ckpt_core._internal.store import DetachableStore, join_store
 from ckpt_core._internal.wire import MAX_HEADER_BYTES
 from ckpt_core.errors import EngineOptionError, LifecycleError, PeerLostError, TransferTimeoutError, WireFormatError
@@ -328,13 +329,13 @@ class DistributedReceiver(BucketReceiver):
         self.link.wait(self._in_flight[slot], timeout_s, "receiving a bucket payload")
 
     def hand_over(self, slot: int, nbytes: int) -> bool:
-        """Host buffers only: the slot (its frame too, when framed) gets new memory from the
-        host pool, rotating among a few blocks (:class:`~ckpt_core._internal.host_alloc.SlotMemories`
+        """Host buffers only: the slot (its frame too, when framed) gets new memory, rotating
+        among a few blocks of its own (:class:`~ckpt_core._internal.slot_memory.SlotMemories`
         says which, and when it refuses: the bucket is copied out then, and the slot keeps its
         memory). The slot has no receive posted now (its header arrived and the pipeline has
         not released it). A buffer made at start, resident whole, keeps only its first
-        ``nbytes`` resident; memory from the pool is handed over as it is, resident as far as
-        it was ever written (giving its tail back too made the next bucket received into it
+        ``nbytes`` resident; a rotation block is handed over as it is, resident as far as it
+        was ever written (giving its tail back too made the next bucket received into it
         fault that tail in again)."""
         old = self._buffers[slot]
         if old.device.type != "cpu":
@@ -363,6 +364,7 @@ class DistributedReceiver(BucketReceiver):
         self._in_flight = [[] for _ in range(self.num_slots)]
         self._frame_in_flight = []
         self._buffers = self._frames = self._slots = []
+        self._memories = []  # the slots' spare blocks go now; those a tensor holds, with it
         self.link.release()
 
 

@@ -1,5 +1,6 @@
 """A rollout worker that keeps every refit's tensors, for tests that a later refit leaves
-earlier ones as they were; one that hands its host pool back before each refit, as a loader
+earlier ones as they were; one that keeps its last two with the host pool off, as vLLM's
+workers keep an adapter; one that hands its host pool back before each refit, as a loader
 that lets each batch go may; and a weights factory of small tensors only."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ckpt_core.host_pool import release_host_memory
+from ckpt_core.host_pool import limit_host_pool, release_host_memory
 from ckpt_core.orchestration.worker import RefitWorker
 from ckpt_core.orchestration.workload import digests
 from ckpt_core.testing.weights import Weights
@@ -51,6 +52,21 @@ class KeepingWorker(RefitWorker):
     def largest_kept_storage(self) -> int:
         """The bytes of the largest storage behind a kept tensor."""
         return max(t.untyped_storage().nbytes() for received in self.kept for t in received.values())
+
+
+class KeepingLastTwoWorker(KeepingWorker):
+    """:class:`KeepingWorker` that keeps only its last two refits, with the host pool off: as
+    a vLLM worker keeps the adapter version it serves beside the one it received, its pool
+    off by default (``host_pool_bytes``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        limit_host_pool(0)
+
+    async def _receive(self) -> dict[str, torch.Tensor]:
+        received = await super()._receive()
+        del self.kept[:-2]
+        return received
 
 
 class ReleasingWorker(RefitWorker):

@@ -1,6 +1,6 @@
 """A bucket of small whole tensors received owned over Gloo is not copied out of its slot:
 the transport hands the slot's memory over and takes new memory for the slot
-(``BucketReceiver.hand_over``), rotating among three blocks and taking one no tensor holds.
+(``BucketReceiver.hand_over``), rotating among blocks of its own and taking one no tensor holds.
 Real processes, real Gloo groups: the tensors of every refit must stay as they arrived through
 the refits after it, each on a storage of at most 1 MiB; a transport whose buffer is shared
 with its sender (cuda_ipc) copies them out as before."""
@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from ckpt_core._internal.assembly import SHARED_STORAGE_BYTES
+from ckpt_core._internal.slot_memory import SlotMemories
 from ckpt_core.orchestration.coordinator import RefitCoordinator
 from ckpt_core.orchestration.local import LocalProcessPool
 from ckpt_core.orchestration.worker import refit_worker_specs
@@ -23,26 +24,36 @@ BUCKET = 256 << 10  # several buckets per refit, so both slots are handed over a
 PARAMS = {"seed": 3, "count": 150}
 
 
-ROLLOUTS = {  # rollout -> (its worker service, None for the default; whether it keeps each refit)
-    "rollout-keeps-every-refit": ("tests.helpers.keeping_worker:KeepingWorker", True),
-    "rollout-drops-each-refit": (None, False),
-    "rollout-drops-and-releases-its-pool": ("tests.helpers.keeping_worker:ReleasingWorker", False),
+ROLLOUTS = {  # rollout -> (its worker service, None for the default; how many refits it keeps, None: all)
+    "rollout-keeps-every-refit": ("tests.helpers.keeping_worker:KeepingWorker", None),
+    "rollout-keeps-its-last-two-refits-pool-off": ("tests.helpers.keeping_worker:KeepingLastTwoWorker", 2),
+    "rollout-drops-each-refit": (None, 0),
+    "rollout-drops-and-releases-its-pool": ("tests.helpers.keeping_worker:ReleasingWorker", 0),
 }
 
 
-def _handed_over(refit: int, buckets: int, keep: bool) -> int:
-    """How many of a refit's ``buckets`` a rank hands over (``SlotMemories``: each of its two
-    slots rotates among three blocks). The rank holds every tensor of a refit until it ends. In
-    the first refit a slot hands over the buffer made at start, then takes new blocks until its
-    rotation is full: its first three buckets. After it, for a rank that drops each refit, the
-    two blocks given away before are free: a slot's first two buckets. For one that keeps every
-    refit, only the second slot, one bucket short of a full rotation, hands over once more."""
-    slots = [(buckets + 1) // 2, buckets // 2]  # bucket k uses slot k % 2
-    if refit == 0:
-        return sum(min(count, 3) for count in slots)
-    if not keep:
-        return sum(min(count, 2) for count in slots)
-    return sum(1 for count in slots if refit == 1 and count == 2)
+def _handed_over(refit: int, buckets: int, keep: int | None) -> int:
+    """How many of refit ``refit``'s ``buckets`` a rank hands over, refits before it alike
+    (:class:`SlotMemories`' rule, followed slot by slot; bucket k uses slot k % 2). The rank
+    holds every tensor of a refit until it ends, then keeps the last ``keep`` refits (``None``:
+    all). A slot hands over while a block it gave away is free, or while it has fewer than
+    ``ROTATION`` blocks; the memory it was made with is not one of them."""
+    handed = 0
+    for count in ((buckets + 1) // 2, buckets // 2):
+        given: list[int] = []  # the slot's handed-over blocks: the refit whose tensors are on each
+        rotating = False  # whether the slot receives into a block of its rotation yet
+        for index in range(refit + 1):
+            for _ in range(count):
+                free = [r for r in given if keep is not None and r < index - keep]
+                if free:
+                    given.remove(free[0])
+                elif len(given) >= SlotMemories.ROTATION - 1:
+                    continue  # refused: the bucket is copied out
+                if rotating:
+                    given.insert(0, index)
+                rotating = True
+                handed += index == refit
+    return handed
 
 
 @pytest.mark.parametrize("rollout", list(ROLLOUTS))
@@ -83,13 +94,14 @@ def test_tensors_of_handed_over_buckets_stay_as_they_arrived_through_later_refit
                 expected = [_handed_over(refit, count, keep) for count in buckets]
                 assert handed == (expected if hands_over else [0, 0]), (refit, handed, buckets)
             assert len({digest for refit in arrived for digest in refit[0].values()}) > 150  # refits differ
-            if not keep:
+            if keep == 0:
                 return
             rollouts = range(num_policy, num_policy + 2)
             later = pool.call([(index, "kept_digests", {}) for index in rollouts], timeout_s=60)
             assert all(result.ok for result in later), later
             for rank, result in enumerate(later):
-                assert result.value == [refit[rank] for refit in arrived], f"rollout rank {rank}'s kept tensors changed"
+                want = [refit[rank] for refit in arrived][-(keep or len(arrived)) :]
+                assert result.value == want, f"rollout rank {rank}'s kept tensors changed"
             largest = pool.call([(index, "largest_kept_storage", {}) for index in rollouts], timeout_s=60)
             assert all(result.ok and result.value <= SHARED_STORAGE_BYTES for result in largest), largest
         finally:

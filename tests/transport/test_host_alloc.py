@@ -12,7 +12,6 @@ import torch
 from ckpt_core._internal import host_alloc
 from ckpt_core._internal.host_alloc import (
     HUGE_PAGE_THRESHOLD,
-    SlotMemories,
     empty_host,
     empty_host_storage,
     host_address,
@@ -21,7 +20,6 @@ from ckpt_core._internal.host_alloc import (
     range_storage,
     release_host_pool,
     release_pages_past,
-    slot_memory,
 )
 
 
@@ -222,88 +220,3 @@ def test_pages_past_what_a_buffer_holds_go_back_and_the_rest_stays() -> None:
     release_pages_past(buffer, 5 * page + 3)
     assert bool((buffer[: 6 * page] == 7).all())  # the page holding byte 5 * page + 2 stays whole
     assert bool((buffer[6 * page :] == 0).all())  # given back: zero-filled when read again
-
-
-def test_a_slot_takes_back_the_memory_it_gave_away_before_any_freed_later() -> None:
-    nbytes = 3 * HUGE_PAGE_THRESHOLD
-    first = slot_memory(nbytes)
-    second = slot_memory(nbytes)
-    assert first is not None and second is not None
-    first_key, address = first[1], first[0].data_ptr()
-    del first, second  # the second freed last: taken first without a preference
-    gc.collect()
-    again = slot_memory(nbytes, first_key)
-    assert again is not None and again[0].data_ptr() == address
-    other = slot_memory(nbytes)  # the other freed block, not the one taken again
-    assert other is not None and other[0].data_ptr() != address
-
-
-def test_a_slot_takes_no_memory_while_what_it_gave_away_before_is_held() -> None:
-    given = slot_memory(3 * HUGE_PAGE_THRESHOLD)
-    assert given is not None
-    memory, key = given
-    view = memory[5:]
-    del memory, given
-    gc.collect()
-    assert key.held and slot_memory(3 * HUGE_PAGE_THRESHOLD, key) is None  # a view still holds it
-    del view
-    gc.collect()
-    assert not key.held and slot_memory(3 * HUGE_PAGE_THRESHOLD, key) is not None
-
-
-def test_memory_freed_and_gone_from_the_pool_does_not_stop_a_slot() -> None:
-    """A process that hands the pool back after each refit (``release_host_memory()``) still
-    gets new slot memory: only memory still held refuses it."""
-    given = slot_memory(3 * HUGE_PAGE_THRESHOLD)
-    assert given is not None
-    key = given[1]
-    del given
-    gc.collect()
-    release_host_pool()  # what release_host_memory() does
-    assert slot_memory(3 * HUGE_PAGE_THRESHOLD, key) is not None
-
-
-def _hand_over_refits(refits: int, keep: int) -> tuple[list[int | None], list[int]]:
-    """A slot handing its memory over at each of ``refits`` refits to a consumer that keeps the
-    last ``keep`` refits' tensors (views of the memory each arrived in): the address of the
-    memory taken at each hand-over (``None``: refused, the bucket copied out), and every address
-    taken while the consumer still held it (none, if the rotation is right)."""
-    nbytes = 3 * HUGE_PAGE_THRESHOLD
-    memories = SlotMemories()
-    slot = torch.zeros(nbytes, dtype=torch.uint8)  # the buffer made at start
-    kept: list[torch.Tensor] = []
-    taken: list[int | None] = []
-    clashes: list[int] = []
-    for _ in range(refits):
-        received = slot[64:]  # the bucket's tensors: views of the memory it arrived in
-        new = memories.take(nbytes)
-        if new is not None:
-            held = {view.untyped_storage().data_ptr() for view in kept}
-            clashes += [new.data_ptr()] if new.data_ptr() in held else []
-            slot = new
-        else:  # copied out: the slot keeps its memory
-            received = received.clone()
-        taken.append(None if new is None else new.data_ptr())
-        kept = [*kept, received][-keep:] if keep else []
-        del received, new
-        gc.collect()
-    return taken, clashes
-
-
-def test_a_slot_whose_consumer_drops_each_refit_takes_back_the_block_it_gave_the_time_before() -> None:
-    taken, clashes = _hand_over_refits(8, keep=0)
-    assert None not in taken and clashes == []
-    assert len(set(taken[1:])) == 2 and taken[2:] == taken[:2] * 3  # two blocks, alternating
-
-
-def test_a_slot_whose_consumer_keeps_its_last_refit_rotates_among_three_blocks() -> None:
-    """As vLLM keeps an adapter until the next replaces it: every bucket is handed over,
-    never into memory the consumer still holds."""
-    taken, clashes = _hand_over_refits(9, keep=1)
-    assert None not in taken and clashes == []
-    assert len(set(taken)) == 3 and taken[3:] == taken[:3] * 2
-
-
-def test_a_slot_whose_consumer_keeps_every_refit_copies_once_its_rotation_is_held() -> None:
-    taken, clashes = _hand_over_refits(6, keep=6)
-    assert clashes == [] and None not in taken[:3] and len(set(taken[:3])) == 3 and taken[3:] == [None] * 3
