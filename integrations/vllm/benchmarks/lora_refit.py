@@ -10,8 +10,9 @@ with LoRA enabled. The trainer is a process of its own, as an RL framework's is
 own: ``--backend`` gloo_cpu, or cuda_ipc with ``device="cpu"``). The adapter
 targets every linear layer of every decoder layer (q, k, v, o, gate, up, down) at rank
 ``--rank``, fp32 as PEFT keeps it; two versions of it, A and B, alternate so every load changes
-it (the trainer and this process make the same two from one seed). Each repetition times,
-after 1.5 s with the engine idle:
+it (the trainer and this process make the same two from one seed). After ``WARMUP`` adapter
+refits, timed apart (new memory faults in under them), each repetition times, after 1.5 s with
+the engine idle:
 
 * ``refit``: the trainer sends the adapter's tensors while ``VllmRollout.refit_adapter``
   receives them and every rank serves them from memory (``ckpt_vllm.model.lora``), both
@@ -60,6 +61,11 @@ MIB = 1 << 20
 GOAL = 3.0  # disk / refit, issue 35's (not met: what bounds it is below)
 FLOOR_GOAL = 1.3  # refit / (vLLM's call + its install + the transport floor), issue 50's
 IDLE_S = 1.5
+WARMUP = 5
+"""Adapter refits before the timed ones, timed apart: the first, then one into each block a Gloo
+slot makes for its rotation (four, while vLLM's worker keeps the served version beside the
+received one: ``ckpt_core._internal.slot_memory``), memory new to the process, which faults in
+under the transfer."""
 
 
 def run(reps: int, rank: int, bucket_size: int, out: Path, backend: str = "gloo_cpu") -> dict[str, Any]:
@@ -150,7 +156,8 @@ def _run_in(workdir: Path, reps: int, rank: int, bucket_size: int, backend: str)
             sizes: dict[str, Any] = {"train_world_size": 1, "rollout_world_size": 1, "metadata": metadata}
             alongside(trainer, "init", sizes, lambda: rollout.init(**sizes))
             rows: list[dict[str, Any]] = []
-            for rep in range(-1, reps):  # rep -1: the warm-up, untimed
+            warmup: list[float] = []
+            for rep in range(-WARMUP, reps):
                 version = VERSIONS[rep % 2]
                 reports: list[dict[str, Any]] = []
 
@@ -183,6 +190,8 @@ def _run_in(workdir: Path, reps: int, rank: int, bucket_size: int, backend: str)
                 if rep >= 0:
                     rows.append(row)
                     print(f"rep {rep}: refit {row['refit_s']:.3f} s, disk {row['disk_s']:.3f} s", flush=True)
+                else:
+                    warmup.append(row["refit_s"])
             calls, beside = [], []
             for rep in range(reps):  # alternating: vLLM's call alone, then beside the trainer's pack
                 time.sleep(IDLE_S)
@@ -228,6 +237,7 @@ def _run_in(workdir: Path, reps: int, rank: int, bucket_size: int, backend: str)
         "bucket_size": bucket_size,
         "backend": backend,
         "reps": rows,
+        "warmup_refit_s": warmup,
         "merged_reps": merged_rows,
         "call_reps": calls,
         "call_beside_pack_reps": beside,
@@ -270,6 +280,9 @@ def tokens_with(llm: Any, request: Any) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
+WARMUP_WHY = " (the first, then each into a block new to its Gloo slot's rotation, faulting in under the transfer)"
+
+
 def report_table(r: dict[str, Any]) -> str:
     m, w = r["median"], r["median_worker_s"]
     return (
@@ -282,6 +295,9 @@ def report_table(r: dict[str, Any]) -> str:
         f"| {m['disk_s']:.3f} s |\n"
         f"| merged into the weights, full refit | {r['merged_bytes'] / 1e6:.1f} MB | {m['merged_s']:.3f} s "
         f"(merging {m['merge_s']:.3f} s) |\n\n"
+        f"The {len(r['warmup_refit_s'])} refits before these took "
+        f"{', '.join(f'{s * 1e3:.0f}' for s in r['warmup_refit_s'])} ms"
+        f"{WARMUP_WHY if r['backend'] == 'gloo_cpu' else ''}.\n\n"
         f"Disk / refit: {r['disk_over_refit']:.2f}x (goal >= {GOAL}); merged / refit: {r['merged_over_refit']:.2f}x "
         f"in time, {r['merged_bytes'] / r['adapter_bytes']:.0f}x in bytes.\n\n"
         f"Where a refit's time goes: the rank received the adapter in {w['receive'] * 1e3:.1f} ms, checked and "
