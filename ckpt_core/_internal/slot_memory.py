@@ -76,8 +76,8 @@ class SlotMemories:
 
     A consumer that drops each refit frees the block given the time before, and that one is
     taken back. One that keeps its last refit holds that block, and the one before it is taken;
-    one that keeps its last two (vLLM's adapter store holds the version it serves beside the
-    one it received until the new one is served) holds two, and the third is taken. Only a slot
+    one that keeps its last two (vLLM's adapter store keeps the version it served before beside
+    the one it serves, until the next arrives) holds two, and the third is taken. Only a slot
     whose rotation is full and held (a consumer keeping three refits or more) is refused: the
     bucket is copied out then, and the slot keeps its memory."""
 

@@ -56,8 +56,8 @@ class KeepingWorker(RefitWorker):
 
 class KeepingLastTwoWorker(KeepingWorker):
     """:class:`KeepingWorker` that keeps only its last two refits, with the host pool off: as
-    a vLLM worker keeps the adapter version it serves beside the one it received, its pool
-    off by default (``host_pool_bytes``)."""
+    a vLLM worker keeps the adapter version it served before beside the one it serves, its
+    pool off by default (``host_pool_bytes``)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -82,7 +82,7 @@ def test_a_slot_whose_consumer_keeps_its_last_refit_rotates_among_three_blocks()
 
 @pytest.mark.usefixtures("pool")
 def test_a_slot_whose_consumer_keeps_its_last_two_refits_rotates_among_four_blocks() -> None:
-    """As vLLM's adapter store keeps the version it serves beside the one it received: every
+    """As vLLM's adapter store keeps the version it served before beside the one it serves: every
     bucket is handed over, never into memory the consumer still holds."""
     taken, clashes, kept_bytes = _hand_over_refits(12, keep=2)
     assert None not in taken and clashes == []

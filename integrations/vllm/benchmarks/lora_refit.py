@@ -63,9 +63,9 @@ FLOOR_GOAL = 1.3  # refit / (vLLM's call + its install + the transport floor), i
 IDLE_S = 1.5
 WARMUP = 5
 """Adapter refits before the timed ones, timed apart: the first, then one into each block a Gloo
-slot makes for its rotation (four, while vLLM's worker keeps the served version beside the
-received one: ``ckpt_core._internal.slot_memory``), memory new to the process, which faults in
-under the transfer."""
+slot makes for its rotation (four, while vLLM's worker keeps the adapter version it served
+before beside the one it serves: ``ckpt_core._internal.slot_memory``), memory new to the
+process, which faults in under the transfer."""
 
 
 def run(reps: int, rank: int, bucket_size: int, out: Path, backend: str = "gloo_cpu") -> dict[str, Any]:
