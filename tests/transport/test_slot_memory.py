@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from ckpt_core._internal import host_alloc
 from ckpt_core._internal.host_alloc import HUGE_PAGE_THRESHOLD, set_host_pool_limit
 from ckpt_core._internal.slot_memory import SlotMemories, SlotMemory
 from ckpt_core.host_pool import release_host_memory
@@ -21,12 +22,13 @@ NBYTES = 3 * HUGE_PAGE_THRESHOLD
 def pool(request: pytest.FixtureRequest) -> Iterator[str]:
     """Every rotation test runs with the host pool on and off (as vLLM's workers run it):
     the slot's blocks are its own either way."""
+    saved = host_alloc._POOL.limit
     if request.param == "pool-off":
         set_host_pool_limit(0)
     try:
         yield request.param
     finally:
-        set_host_pool_limit(1 << 30)
+        set_host_pool_limit(saved)
 
 
 def _hand_over_refits(refits: int, keep: int) -> tuple[list[int | None], list[int], list[bool]]:
