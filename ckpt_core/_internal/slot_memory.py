@@ -3,9 +3,9 @@
 A Gloo receiver that lands a bucket of small whole tensors owned gives the pipeline the slot's
 buffer for good (``BucketReceiver.hand_over``): the tensors are views of it, nothing is copied
 out. The slot then needs other memory for its next bucket, and memory new to the process is
-slow to receive into: every page faults in, and the kernel zeroes it (on a virtual machine whose
-host takes freed memory back, receiving 4.65 MB into new huge pages took 15-20 ms against 1.5-2
-ms into pages already in: docs/benchmarks.md). So a slot rotates among a few blocks of its
+slow to receive into: every page faults in, and the kernel zeroes it (on one machine here,
+receiving 4.65 MB into new huge pages took 15-20 ms against 1.5-2 ms into pages already in:
+docs/benchmarks.md). So a slot rotates among a few blocks of its
 own (:class:`SlotMemories`): it takes back one no tensor holds any longer, resident as far as
 buckets were received into it before, and makes a new one only while every block it has is
 held and it has fewer than :attr:`SlotMemories.ROTATION`.
