@@ -127,3 +127,32 @@ def test_a_tensor_outlives_the_slot_that_gave_it() -> None:
     del memories, second
     gc.collect()
     assert torch.equal(first[:8], torch.arange(8, dtype=torch.uint8))
+
+
+def _live_blocks() -> int:
+    return sum(isinstance(thing, SlotMemory) for thing in gc.get_objects())
+
+
+def test_finalize_lets_a_receiver_s_slot_blocks_go() -> None:
+    """A Gloo rollout that handed buckets over keeps its slots' blocks between refits (real
+    engines, in this process); ``finalize()`` lets them go once no tensor holds them."""
+    from tests.reliability.rel_inprocess import Pair
+
+    gc.collect()
+    before = _live_blocks()
+    pair = Pair("gloo_cpu", bucket_size=64 << 10)
+    try:
+        for outcome in pair.init_outcomes:
+            outcome.get()
+        for _ in range(3):  # small tensors, several buckets a refit, received owned: handed over
+            sent, received = pair.refit(lambda: [(f"w{i}", torch.full((1000,), float(i))) for i in range(60)])
+            sent.get()
+            assert [name for name, _ in received.get()] == [f"w{i}" for i in range(60)]
+            del sent, received
+        gc.collect()
+        assert _live_blocks() > before, "the rollout handed no bucket over"
+    finally:
+        pair.finalize()
+    del pair
+    gc.collect()
+    assert _live_blocks() == before
